@@ -1,0 +1,41 @@
+"""One engine per tiny architecture for the whole session: engines are the slow part."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from vlens import HookedVLLM
+from vlens.testing import tiny_model
+
+
+@pytest.fixture(scope="session")
+def hooked() -> Callable[..., HookedVLLM]:
+    """``hooked("qwen3", **engine_args)``: the session's fp32 engine for a tiny model.
+
+    Engines live until the session ends: vLLM tears down its process-wide parallel state when
+    any engine is garbage-collected, which would break the engines still in use.
+    """
+    engines: dict[tuple, HookedVLLM] = {}
+
+    def get(arch: str, **engine_args: object) -> HookedVLLM:
+        key = (arch, *sorted(engine_args.items()))
+        if key not in engines:
+            engines[key] = HookedVLLM.from_pretrained(
+                tiny_model(arch), dtype="float32", **engine_args
+            )
+        return engines[key]
+
+    return get
+
+
+@pytest.fixture(params=["qwen3", "llama"])
+def rotary_arch(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture
+def checkpoint(rotary_arch: str) -> Path:
+    return tiny_model(rotary_arch)

@@ -1,0 +1,14 @@
+"""Every name of every supported architecture against HuggingFace and TransformerLens (fp32)."""
+
+from vlens.parity.compare import FP32_MAX_REL
+from vlens.parity.run import run_parity
+
+
+def test_every_name_matches_references(hooked, rotary_arch, checkpoint):
+    model = hooked(rotary_arch)
+    rows, uncovered = run_parity(model, checkpoint)
+    assert not uncovered, f"names with no reference: {uncovered}"
+    assert {row.reference for row in rows} == {"HuggingFace", "TransformerLens"}
+    assert {row.name for row in rows} == set(model.hook_names)
+    failures = [row for row in rows if not row.within(FP32_MAX_REL)]
+    assert not failures, failures

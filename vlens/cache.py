@@ -1,0 +1,79 @@
+"""Assembling what the workers captured into TransformerLens's ``ActivationCache``.
+
+Each request's values arrive as chunks of rows (a whole prefill, pieces of a chunked prefill, one
+row per decode step). They are joined in position order and right-padded with zeros to
+``[batch, pos, ...]``; ``cache.lengths`` and ``cache.attention_mask`` say which positions are real.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from jaxtyping import Bool, Int
+from torch import Tensor
+from transformer_lens.ActivationCache import ActivationCache
+
+from vlens.names import UnknownHookName, canonical, short_form
+from vlens.runtime.worker import Chunk
+
+
+def join_chunks(name: str, chunks: Sequence[Chunk], length: int) -> Tensor:
+    """One request's rows of ``name`` for positions ``0:length``, in order, with none missing."""
+    ordered = sorted(chunks, key=lambda chunk: chunk.first_position)
+    position = 0
+    for chunk in ordered:
+        if chunk.first_position != position:
+            raise RuntimeError(
+                f"{name}: positions {position}..{chunk.first_position - 1} were never computed by "
+                f"vLLM for this request (was prefix caching turned on?)"
+            )
+        position += chunk.value.shape[0]
+    if position != length:
+        raise RuntimeError(f"{name}: captured {position} positions, expected {length}")
+    return torch.cat([chunk.value for chunk in ordered])
+
+
+def pad_batch(values: Sequence[Tensor]) -> Tensor:
+    """Stack ``[pos_i, ...]`` tensors into ``[batch, max pos, ...]``, zero-padded on the right."""
+    longest = max(value.shape[0] for value in values)
+    batch = values[0].new_zeros((len(values), longest, *values[0].shape[1:]))
+    for index, value in enumerate(values):
+        batch[index, : value.shape[0]] = value
+    return batch
+
+
+class VLensCache(ActivationCache):
+    """TransformerLens's ``ActivationCache`` over a padded batch of vLLM requests.
+
+    Indexing takes canonical names, TransformerLens 4 bridge names and short forms
+    (``cache["resid_post", 3]``); a name that is not cached raises an error naming the near ones.
+    """
+
+    def __init__(self, cache_dict: dict[str, Tensor], model: Any, lengths: Int[Tensor, "batch"]):
+        super().__init__(cache_dict, model, has_batch_dim=True)
+        self.lengths = lengths
+
+    @property
+    def attention_mask(self) -> Bool[Tensor, "batch pos"]:
+        """True at real positions, False at padding."""
+        positions = torch.arange(int(self.lengths.max()))
+        return positions[None, :] < self.lengths[:, None]
+
+    def __getitem__(self, key: Any) -> Tensor:
+        name = key if isinstance(key, str) else short_form(_absolute_layer(key, self.model))
+        try:
+            return self.cache_dict[canonical(name, self.cache_dict.keys(), "this cache")]
+        except UnknownHookName as missing:
+            raise UnknownHookName(name, self.cache_dict.keys(), "this cache") from missing
+
+    def __repr__(self) -> str:
+        return f"VLensCache(batch={len(self.lengths)}, names={len(self.cache_dict)})"
+
+
+def _absolute_layer(key: tuple, model: Any) -> tuple:
+    """TransformerLens lets ``cache["resid_post", -1]`` mean the last layer."""
+    if len(key) > 1 and isinstance(key[1], int) and key[1] < 0:
+        return (key[0], model.cfg.n_layers + key[1], *key[2:])
+    return key

@@ -1,0 +1,73 @@
+"""Turning what a user types into a canonical TransformerLens hook name.
+
+Accepted: canonical names (``blocks.3.hook_resid_post``), TransformerLens 4 bridge names
+(``blocks.3.hook_out``), and, in cache lookups, TransformerLens's short forms
+(``cache["resid_post", 3]``, resolved by TransformerLens's own ``get_act_name``).
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Callable, Collection, Sequence
+
+from transformer_lens.utilities import get_act_name
+
+#: TransformerLens 4 ``TransformerBridge`` names and other spellings → canonical names.
+ALIASES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
+    (re.compile(pattern), target)
+    for pattern, target in (
+        (r"blocks\.(\d+)\.hook_in", r"blocks.\1.hook_resid_pre"),
+        (r"blocks\.(\d+)\.hook_out", r"blocks.\1.hook_resid_post"),
+        (r"blocks\.(\d+)\.ln2\.hook_in", r"blocks.\1.hook_resid_mid"),
+        (r"blocks\.(\d+)\.attn\.hook_out", r"blocks.\1.hook_attn_out"),
+        (r"blocks\.(\d+)\.mlp\.hook_out", r"blocks.\1.hook_mlp_out"),
+        (r"embed\.hook_out", "hook_embed"),
+        (r"hook_logits|logits", "unembed.hook_out"),
+    )
+)
+
+NamesFilter = None | str | Sequence[str] | Callable[[str], bool]
+
+
+class UnknownHookName(KeyError):
+    """A hook name this model does not have; the message lists the nearest ones it does."""
+
+    def __init__(self, name: str, known: Collection[str], what: str = "this model") -> None:
+        near = difflib.get_close_matches(name, list(known), n=5, cutoff=0.6)
+        hint = f" Did you mean: {', '.join(near)}?" if near else ""
+        super().__init__(f"{name!r} is not a hook name of {what}.{hint} (model.hook_names lists all.)")
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+def canonical(name: str, known: Collection[str], what: str = "this model") -> str:
+    """The canonical spelling of ``name``, or :class:`UnknownHookName`."""
+    if name in known:
+        return name
+    for pattern, target in ALIASES:
+        if pattern.fullmatch(name):
+            aliased = pattern.sub(target, name)
+            if aliased in known:
+                return aliased
+    raise UnknownHookName(name, known, what)
+
+
+def short_form(key: tuple) -> str:
+    """``("resid_post", 3)`` → ``blocks.3.hook_resid_post``, as TransformerLens spells it."""
+    return get_act_name(*key)
+
+
+def select_names(names_filter: NamesFilter, known: Sequence[str]) -> list[str]:
+    """The canonical names a TransformerLens ``names_filter`` picks, in forward order."""
+    if names_filter is None:
+        return list(known)
+    if callable(names_filter):
+        chosen = [name for name in known if names_filter(name)]
+        if not chosen:
+            raise ValueError("names_filter accepted none of this model's hook names")
+        return chosen
+    wanted = [names_filter] if isinstance(names_filter, str) else list(names_filter)
+    picked = {canonical(name, known) for name in wanted}
+    return [name for name in known if name in picked]

