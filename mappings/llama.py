@@ -5,13 +5,22 @@ vLLM fuses each residual add into the RMSNorm that follows it. One decoder layer
 
     hidden, residual = input_layernorm(hidden, residual)    # residual ← hidden + residual
                                                             # (layer 0: residual ← hidden)
-    hidden = self_attn(positions=..., hidden_states=hidden) # qkv_proj → rotary_emb → attn → o_proj
+    self_attn(positions=..., hidden_states=hidden):
+        qkv, _ = qkv_proj(hidden)                           # [q | k | v], heads·d_head each part
+        q, k = rotary_emb(positions, q, k)                  # rotates q and k in place
+        z = attn(q, k, v)                                   # [pos, H·d_head]
+        hidden, _ = o_proj(z)
     hidden, residual = post_attention_layernorm(hidden, residual)
-    hidden = mlp(hidden)                                    # gate_up_proj → act_fn → down_proj
+    mlp(hidden):
+        x, _ = gate_up_proj(hidden)                         # [gate | up]
+        x = act_fn(x)                                       # silu(gate) · up
+        hidden, _ = down_proj(x)
     return hidden, residual                                 # the stream leaving is their sum
 
-After the last layer, ``model.norm(hidden, residual)`` adds them once more and normalises; the
-logits processor applies ``lm_head`` to its first output.
+After the last layer ``model.norm(hidden, residual)`` adds them once more and normalises; the
+logits processor applies ``lm_head`` to its first output. Attention scores and patterns are
+rebuilt from the rotated q and k (vLLM never forms them); per-head results use the checkpoint's
+``o_proj`` weight.
 """
 
 from transformers import PretrainedConfig
@@ -19,31 +28,81 @@ from transformers import PretrainedConfig
 from vlens.mapping import (
     ArchitectureMapping,
     Argument,
-    HookSpec,
+    Spec,
+    attention_pattern,
+    attention_scores,
+    columns,
     entering,
+    head_results,
     leaving,
     logits,
+    per_head,
+    repeated_per_head,
     rms_normalized,
     rms_scale,
 )
 
 LAYER = "model.layers.{layer}"
+ATTN = f"{LAYER}.self_attn"
+MLP = f"{LAYER}.mlp"
+BLOCK = "blocks.{layer}"
 
 
-def hook_specs(config: PretrainedConfig) -> dict[str, HookSpec]:
+def dimensions(config: PretrainedConfig) -> tuple[int, int, int]:
+    """Query heads, key/value heads and head size."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    d_head = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return heads, kv_heads, d_head
+
+
+def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
     eps = config.rms_norm_eps
+    heads, kv_heads, d_head = dimensions(config)
+    q_end, k_end, v_end = heads * d_head, (heads + kv_heads) * d_head, (heads + 2 * kv_heads) * d_head
+    d_mlp = config.intermediate_size
+
+    resid_pre = entering(LAYER, Argument(1, "hidden_states"), plus=Argument(2, "residual"))
+    resid_mid = entering(
+        f"{LAYER}.post_attention_layernorm", Argument(0, "x"), plus=Argument(1, "residual")
+    )
     resid_final = entering("model.norm", Argument(0, "x"), plus=Argument(1, "residual"))
+    qkv = leaving(f"{ATTN}.qkv_proj", element=0)
+    gate_up = leaving(f"{MLP}.gate_up_proj", element=0)
     return {
         "hook_embed": leaving("model.embed_tokens"),
-        "blocks.{layer}.hook_resid_pre": entering(
-            LAYER, Argument(1, "hidden_states"), plus=Argument(2, "residual")
+        f"{BLOCK}.hook_resid_pre": resid_pre,
+        f"{BLOCK}.hook_attn_in": repeated_per_head(resid_pre, heads),
+        f"{BLOCK}.hook_q_input": repeated_per_head(resid_pre, heads),
+        f"{BLOCK}.hook_k_input": repeated_per_head(resid_pre, kv_heads, "kv_head"),
+        f"{BLOCK}.hook_v_input": repeated_per_head(resid_pre, kv_heads, "kv_head"),
+        f"{BLOCK}.ln1.hook_scale": rms_scale(resid_pre, eps),
+        f"{BLOCK}.ln1.hook_normalized": rms_normalized(resid_pre, eps),
+        f"{BLOCK}.attn.hook_q": per_head(columns(qkv, 0, q_end, "pos"), d_head),
+        f"{BLOCK}.attn.hook_k": per_head(columns(qkv, q_end, k_end, "pos"), d_head, "kv_head"),
+        f"{BLOCK}.attn.hook_v": per_head(columns(qkv, k_end, v_end, "pos"), d_head, "kv_head"),
+        f"{BLOCK}.attn.hook_rot_q": per_head(entering(f"{ATTN}.attn", Argument(0, "query")), d_head),
+        f"{BLOCK}.attn.hook_rot_k": per_head(
+            entering(f"{ATTN}.attn", Argument(1, "key")), d_head, "kv_head"
         ),
-        "blocks.{layer}.hook_attn_out": leaving(f"{LAYER}.self_attn"),
-        "blocks.{layer}.hook_resid_mid": entering(
-            f"{LAYER}.post_attention_layernorm", Argument(0, "x"), plus=Argument(1, "residual")
+        f"{BLOCK}.attn.hook_attn_scores": attention_scores(
+            f"{BLOCK}.attn.hook_rot_q", f"{BLOCK}.attn.hook_rot_k", scale=d_head**-0.5
         ),
-        "blocks.{layer}.hook_mlp_out": leaving(f"{LAYER}.mlp"),
-        "blocks.{layer}.hook_resid_post": leaving(LAYER, element=0, plus=1),
+        f"{BLOCK}.attn.hook_pattern": attention_pattern(f"{BLOCK}.attn.hook_attn_scores"),
+        f"{BLOCK}.attn.hook_z": per_head(entering(f"{ATTN}.o_proj", Argument(0, "input_")), d_head),
+        f"{BLOCK}.attn.hook_result": head_results(
+            f"{BLOCK}.attn.hook_z", w_o="model.layers.{layer}.self_attn.o_proj.weight"
+        ),
+        f"{BLOCK}.hook_attn_out": leaving(ATTN),
+        f"{BLOCK}.hook_resid_mid": resid_mid,
+        f"{BLOCK}.hook_mlp_in": resid_mid,
+        f"{BLOCK}.ln2.hook_scale": rms_scale(resid_mid, eps),
+        f"{BLOCK}.ln2.hook_normalized": rms_normalized(resid_mid, eps),
+        f"{BLOCK}.mlp.hook_pre": columns(gate_up, 0, d_mlp, "pos d_mlp"),
+        f"{BLOCK}.mlp.hook_pre_linear": columns(gate_up, d_mlp, 2 * d_mlp, "pos d_mlp"),
+        f"{BLOCK}.mlp.hook_post": entering(f"{MLP}.down_proj", Argument(0, "input_"), shape="pos d_mlp"),
+        f"{BLOCK}.hook_mlp_out": leaving(MLP),
+        f"{BLOCK}.hook_resid_post": leaving(LAYER, element=0, plus=1),
         "ln_final.hook_scale": rms_scale(resid_final, eps),
         "ln_final.hook_normalized": rms_normalized(resid_final, eps),
         "unembed.hook_out": logits(leaving("model.norm", element=0)),

@@ -1,18 +1,33 @@
 """Qwen3 (``Qwen3ForCausalLM``) as vLLM builds it, in TransformerLens names.
 
 Qwen3's decoder layer is Llama's (same fused residual, same module names: see ``llama.py``). Its
-attention adds a per-head RMSNorm on q and k (``self_attn.q_norm``, ``self_attn.k_norm``) between
-``qkv_proj`` and the rotary embedding.
+attention adds a per-head RMSNorm on q and k between ``qkv_proj`` and the rotary embedding::
+
+    q, k, v = qkv_proj(hidden)[0].split(...)
+    q = q_norm(q.view(pos, H, d_head))      # attn.hook_q_normed
+    k = k_norm(k.view(pos, Hkv, d_head))    # attn.hook_k_normed
+    q, k = rotary_emb(positions, q, k)      # attn.hook_rot_q, attn.hook_rot_k
+
+``hook_q`` / ``hook_k`` stay the projections before the norm, as in TransformerLens; the normed
+values are heads-first (``[batch, head, pos, d_head]``), as TransformerLens's bridge gives them.
 """
 
 from transformers import PretrainedConfig
 
-from vlens.mapping import ArchitectureMapping, HookSpec
+from vlens.mapping import ArchitectureMapping, Spec, heads_first, leaving
 from vlens.mappings import llama
+from vlens.mappings.llama import ATTN, BLOCK
 
 
-def hook_specs(config: PretrainedConfig) -> dict[str, HookSpec]:
-    return llama.hook_specs(config)
+def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
+    specs = llama.hook_specs(config)
+    normed = {
+        f"{BLOCK}.attn.hook_q_normed": heads_first(leaving(f"{ATTN}.q_norm")),
+        f"{BLOCK}.attn.hook_k_normed": heads_first(leaving(f"{ATTN}.k_norm"), "kv_head"),
+    }
+    order = list(specs)
+    at = order.index(f"{BLOCK}.attn.hook_rot_q")
+    return {**dict(list(specs.items())[:at]), **normed, **dict(list(specs.items())[at:])}
 
 
 MAPPING = ArchitectureMapping(architectures=("Qwen3ForCausalLM",), hook_specs=hook_specs)

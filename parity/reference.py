@@ -9,6 +9,7 @@ TransformerLens: ``TransformerBridge.boot_transformers(path)`` with
 from __future__ import annotations
 
 from collections.abc import Callable
+from importlib import import_module
 from pathlib import Path
 from typing import Any
 
@@ -56,39 +57,15 @@ def rms_parts(x: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     return scale, x / scale
 
 
-def record_llama_like(model: nn.Module, recorder: Recorder) -> Callable[[Tensor], Values]:
-    """Hooks for Llama and Qwen3 (``model.model.layers[i]`` with RMSNorm); returns the function
-    that turns one forward's recordings (and its logits) into canonical names."""
-    eps = model.config.rms_norm_eps
-    inner = model.model
-    recorder.output(inner.embed_tokens, "embed")
-    for i, layer in enumerate(inner.layers):
-        recorder.inputs(layer, f"pre{i}", "hidden_states")
-        recorder.output(layer.self_attn, f"attn{i}")
-        recorder.inputs(layer.post_attention_layernorm, f"mid{i}", "hidden_states")
-        recorder.output(layer.mlp, f"mlp{i}")
-        recorder.output(layer, f"post{i}")
-    recorder.inputs(inner.norm, "final", "hidden_states")
-
-    def values(logits: Tensor) -> Values:
-        seen = recorder.seen
-        out = {"hook_embed": seen["embed"]}
-        for i in range(len(inner.layers)):
-            out[f"blocks.{i}.hook_resid_pre"] = seen[f"pre{i}"]
-            out[f"blocks.{i}.hook_attn_out"] = seen[f"attn{i}"]
-            out[f"blocks.{i}.hook_resid_mid"] = seen[f"mid{i}"]
-            out[f"blocks.{i}.hook_mlp_out"] = seen[f"mlp{i}"]
-            out[f"blocks.{i}.hook_resid_post"] = seen[f"post{i}"]
-        scale, normalized = rms_parts(seen["final"], eps)
-        out["ln_final.hook_scale"] = scale
-        out["ln_final.hook_normalized"] = normalized
-        out["unembed.hook_out"] = logits
-        return {name: value[0] for name, value in out.items()}
-
-    return values
+#: HuggingFace architecture → module of this package whose ``record(model, recorder)`` installs
+#: the hooks and returns the function turning one forward's recordings into canonical names.
+RECORDERS = {"LlamaForCausalLM": "hf_llama", "Qwen3ForCausalLM": "hf_llama"}
 
 
-RECORDERS = {"LlamaForCausalLM": record_llama_like, "Qwen3ForCausalLM": record_llama_like}
+def recorder_for(architecture: str) -> Callable[..., Callable[[Tensor, tuple[Tensor, ...]], Values]]:
+    if architecture not in RECORDERS:
+        raise NotImplementedError(f"no HuggingFace reference for {architecture}")
+    return import_module(f"vlens.parity.{RECORDERS[architecture]}").record
 
 
 @torch.no_grad()
@@ -97,12 +74,12 @@ def hf_reference(path: str | Path, prompts: list[list[int]]) -> list[Values]:
     model = load_hf(path)
     architecture = model.config.architectures[0]
     recorder = Recorder()
-    to_values = RECORDERS[architecture](model, recorder)
+    to_values = recorder_for(architecture)(model, recorder)
     try:
         results = []
         for prompt in prompts:
-            logits = model(torch.tensor([prompt])).logits
-            results.append(to_values(logits))
+            output = model(torch.tensor([prompt]), output_attentions=True)
+            results.append(to_values(output.logits, output.attentions))
         return results
     finally:
         recorder.remove()
@@ -117,6 +94,10 @@ def transformer_lens_reference(
 
     bridge = TransformerBridge.boot_transformers(str(path), dtype=torch.float32)
     bridge.enable_compatibility_mode(no_processing=True)
+    # The names TransformerLens computes only when asked (hook_attn_in excludes the split inputs).
+    bridge.set_use_attn_result(True)
+    bridge.set_use_split_qkv_input(True)
+    bridge.set_use_hook_mlp_in(True)
     results = []
     for prompt in prompts:
         logits, cache = bridge.run_with_cache(torch.tensor([prompt]))

@@ -1,5 +1,6 @@
 """Running the parity check: vlens's cache for a mixed batch against each prompt run alone in
-HuggingFace and in TransformerLens."""
+HuggingFace and in TransformerLens, on the prompts (prefill) and on prompts continued by greedy
+decoding (every decode step's rows against one reference forward over the whole sequence)."""
 
 from __future__ import annotations
 
@@ -10,20 +11,13 @@ from vlens.hooked import HookedVLLM
 from vlens.parity.compare import PROMPTS, Row, compare
 from vlens.parity.reference import Values, hf_reference, transformer_lens_reference
 
-
-def vlens_values(model: HookedVLLM, prompts: list[list[int]]) -> list[Values]:
-    """Every name of ``model`` for ``prompts``, submitted together as one batch."""
-    _, cache = model.run_with_cache(prompts)
-    return [
-        {name: cache[name][index, : len(prompt)] for name in cache.keys()}
-        for index, prompt in enumerate(prompts)
-    ]
+DECODE_STEPS = 6
 
 
-def rows_against(reference: str, ours: list[Values], theirs: list[Values]) -> list[Row]:
+def rows_against(reference: str, mode: str, ours: list[Values], theirs: list[Values]) -> list[Row]:
     names = [name for name in ours[0] if name in theirs[0]]
     return [
-        compare(name, reference, [v[name] for v in ours], [t[name] for t in theirs])
+        compare(name, reference, mode, [v[name] for v in ours], [t[name] for t in theirs])
         for name in names
     ]
 
@@ -31,12 +25,16 @@ def rows_against(reference: str, ours: list[Values], theirs: list[Values]) -> li
 def run_parity(
     model: HookedVLLM, path: str | Path, texts: Sequence[str] = PROMPTS
 ) -> tuple[list[Row], list[str]]:
-    """Rows against HuggingFace and TransformerLens, and the names no reference covered."""
+    """Rows against HuggingFace and TransformerLens, prefill and decode, and the names that no
+    reference covered."""
     prompts = model.token_lists(list(texts))
-    ours = vlens_values(model, prompts)
-    rows = rows_against("HuggingFace", ours, hf_reference(path, prompts))
-    rows += rows_against(
-        "TransformerLens", ours, transformer_lens_reference(path, prompts, list(ours[0]))
-    )
+    rows: list[Row] = []
+    for mode, new_tokens in (("prefill", 0), ("decode", DECODE_STEPS)):
+        _, cache = model.run_with_cache(prompts, max_new_tokens=new_tokens)
+        sequences = [cache.tokens[i, : int(n)].tolist() for i, n in enumerate(cache.lengths)]
+        ours = [{name: cache.unpadded(name, i) for name in cache.keys()} for i in range(len(prompts))]
+        rows += rows_against("HuggingFace", mode, ours, hf_reference(path, sequences))
+        tl = transformer_lens_reference(path, sequences, list(ours[0]))
+        rows += rows_against("TransformerLens", mode, ours, tl)
     covered = {row.name for row in rows}
-    return rows, [name for name in ours[0] if name not in covered]
+    return rows, [name for name in model.hook_names if name not in covered]

@@ -17,7 +17,7 @@ def test_mixed_batch_equals_each_prompt_alone(hooked, rotary_arch):
         # differently; 1e-5 relative is far below a wrong-row mistake (errors of order 1).
         for name in model.hook_names:
             torch.testing.assert_close(
-                batch[name][index, :length], alone[name][0], rtol=1e-5, atol=1e-5, msg=name
+                batch.unpadded(name, index), alone[name][0], rtol=1e-5, atol=1e-5, msg=name
             )
         torch.testing.assert_close(batch_logits[index, :length], logits[0], rtol=1e-5, atol=1e-5)
 

@@ -51,9 +51,24 @@ class VLensCache(ActivationCache):
     (``cache["resid_post", 3]``); a name that is not cached raises an error naming the near ones.
     """
 
-    def __init__(self, cache_dict: dict[str, Tensor], model: Any, lengths: Int[Tensor, "batch"]):
+    def __init__(
+        self,
+        cache_dict: dict[str, Tensor],
+        model: Any,
+        lengths: Int[Tensor, "batch"],
+        shapes: dict[str, str],
+    ):
         super().__init__(cache_dict, model, has_batch_dim=True)
         self.lengths = lengths
+        self.shapes = shapes
+
+    def unpadded(self, name: str, index: int) -> Tensor:
+        """Request ``index``'s value of ``name`` without padding on any position axis."""
+        value = self[name][index]
+        for axis, word in enumerate(self.shapes[canonical(name, self.shapes)].split()):
+            if word.endswith("pos"):
+                value = value.narrow(axis, 0, int(self.lengths[index]))
+        return value
 
     @property
     def attention_mask(self) -> Bool[Tensor, "batch pos"]:

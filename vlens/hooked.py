@@ -9,17 +9,20 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+from einops import rearrange
 from jaxtyping import Float, Int
 from torch import Tensor
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from vlens.cache import VLensCache, join_chunks, pad_batch
+from vlens.derived import Batch
 from vlens.engine import Engine
-from vlens.mapping import HookSpec
+from vlens.mapping import DerivedSpec, HookSpec, Spec
 from vlens.mappings import mapping_for
 from vlens.names import NamesFilter, select_names
 from vlens.runtime.layout import TAG_KEY
 from vlens.runtime.worker import RequestCapture
+from vlens.weights import CheckpointWeights
 
 Input = str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]] | Tensor
 LOGITS = "unembed.hook_out"
@@ -66,11 +69,13 @@ class HookedVLLM:
     def __init__(
         self,
         engine: Engine,
+        path: Path,
         config: PretrainedConfig,
         tokenizer: PreTrainedTokenizerBase,
-        hook_specs: dict[str, HookSpec],
+        hook_specs: dict[str, Spec],
     ) -> None:
         self.engine = engine
+        self.weights = CheckpointWeights(path)
         self.hf_config = config
         self.cfg = ModelConfig.from_hf(config)
         self.tokenizer = tokenizer
@@ -84,7 +89,7 @@ class HookedVLLM:
         config = AutoConfig.from_pretrained(path)
         hook_specs = mapping_for(config).expanded(config)
         tokenizer = AutoTokenizer.from_pretrained(path)
-        return cls(Engine(str(path), **engine_kwargs), config, tokenizer, hook_specs)
+        return cls(Engine(str(path), **engine_kwargs), Path(path), config, tokenizer, hook_specs)
 
     @property
     def hook_names(self) -> list[str]:
@@ -137,30 +142,73 @@ class HookedVLLM:
         input: Input,
         names_filter: NamesFilter = None,
         return_type: Literal["logits"] | None = "logits",
+        max_new_tokens: int = 0,
     ) -> tuple[Float[Tensor, "batch pos d_vocab"] | None, VLensCache]:
         """Run the prompts through vLLM and return ``(logits, cache)``.
 
-        Logits are at every prompt position; prompts of different lengths are right-padded with
-        zeros, and ``cache.lengths`` / ``cache.attention_mask`` tell real positions from padding.
+        Logits are at every position; prompts of different lengths are right-padded with zeros,
+        and ``cache.lengths`` / ``cache.attention_mask`` tell real positions from padding.
+
+        With ``max_new_tokens=n`` each prompt is also continued greedily by ``n`` tokens and the
+        cache covers the decode steps too: positions ``prompt + n - 1`` (the last sampled token
+        is never run through the model). ``cache.tokens`` holds the token at every position.
         """
         if return_type not in ("logits", None):
             raise ValueError(f"return_type must be 'logits' or None, not {return_type!r}")
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, not {max_new_tokens}")
         prompts = self.token_lists(input)
         names = select_names(names_filter, self.hook_names)
-        wanted = set(names) | ({LOGITS} if return_type == "logits" else set())
-        captures = self._capture(prompts, {name: self.hook_specs[name] for name in wanted})
-        lengths = [len(prompt) for prompt in prompts]
-        joined = {
-            name: pad_batch([join_chunks(name, c.chunks[name], n) for c, n in zip(captures, lengths)])
-            for name in wanted
+        wanted = names + ([LOGITS] if return_type == "logits" and LOGITS not in names else [])
+        site_specs = {name: self.hook_specs[name] for name in self._site_names(wanted)}
+        captures, generated = self._capture(prompts, site_specs, max_new_tokens)
+        tokens = [p + g[: max(0, len(g) - 1)] for p, g in zip(prompts, generated)]
+        lengths = torch.tensor([len(t) for t in tokens])
+        values = {
+            name: self._padded(name, spec, captures, lengths) for name, spec in site_specs.items()
         }
-        cache = VLensCache({name: joined[name] for name in names}, self, torch.tensor(lengths))
-        return (joined[LOGITS] if return_type == "logits" else None), cache
+        batch = Batch(mask=torch.arange(int(lengths.max()))[None] < lengths[:, None], weights=self.weights)
+        for name in wanted:
+            self._derive(name, values, batch)
+        shapes = {name: self.hook_specs[name].shape for name in names}
+        cache = VLensCache({name: values[name] for name in names}, self, lengths, shapes)
+        cache.tokens = pad_batch([torch.tensor(t) for t in tokens])
+        return (values[LOGITS] if return_type == "logits" else None), cache
+
+    def _site_names(self, names: list[str]) -> list[str]:
+        """The names read from vLLM sites that ``names`` need (derived names' sources included)."""
+        needed: dict[str, None] = {}
+        pending = list(names)
+        while pending:
+            name = pending.pop()
+            spec = self.hook_specs[name]
+            if isinstance(spec, DerivedSpec):
+                pending.extend(spec.sources)
+            else:
+                needed[name] = None
+        return [name for name in self.hook_specs if name in needed]
+
+    @staticmethod
+    def _padded(
+        name: str, spec: HookSpec, captures: list[RequestCapture], lengths: Tensor
+    ) -> Tensor:
+        rows = [join_chunks(name, c.chunks[name], int(n)) for c, n in zip(captures, lengths)]
+        value = pad_batch(rows)
+        return value if spec.arrange is None else rearrange(value, spec.arrange)
+
+    def _derive(self, name: str, values: dict[str, Tensor], batch: Batch) -> Tensor:
+        if name not in values:
+            spec = self.hook_specs[name]
+            assert isinstance(spec, DerivedSpec)
+            sources = [self._derive(source, values, batch) for source in spec.sources]
+            values[name] = spec.compute(sources, batch)
+        return values[name]
 
     def _capture(
-        self, prompts: list[list[int]], specs: dict[str, HookSpec]
-    ) -> list[RequestCapture]:
-        """One forward over each prompt (one sampled token, discarded) with ``specs`` captured."""
+        self, prompts: list[list[int]], specs: dict[str, HookSpec], max_new_tokens: int
+    ) -> tuple[list[RequestCapture], list[list[int]]]:
+        """Greedy generation over ``prompts`` (one token, discarded, when ``max_new_tokens`` is 0)
+        with ``specs`` captured; returns the captures and the generated tokens kept."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -168,10 +216,14 @@ class HookedVLLM:
         tags = [f"{call}:{index}" for index in range(len(prompts))]
         self.engine.on_workers("prepare", {tag: specs for tag in tags})
         try:
-            self.engine.llm.generate(
+            outputs = self.engine.llm.generate(
                 [TokensPrompt(prompt_token_ids=prompt) for prompt in prompts],
                 [
-                    SamplingParams(max_tokens=1, temperature=0.0, extra_args={TAG_KEY: tag})
+                    SamplingParams(
+                        max_tokens=max(1, max_new_tokens),
+                        temperature=0.0,
+                        extra_args={TAG_KEY: tag},
+                    )
                     for tag in tags
                 ],
                 use_tqdm=False,
@@ -182,4 +234,5 @@ class HookedVLLM:
         for index, capture in enumerate(captures):
             if capture.error is not None:
                 raise RuntimeError(f"prompt {index}: {capture.error}")
-        return captures
+        generated = [list(out.outputs[0].token_ids) if max_new_tokens else [] for out in outputs]
+        return captures, generated

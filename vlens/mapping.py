@@ -1,23 +1,26 @@
 """The vocabulary that mapping files are written in.
 
-A mapping file (``mappings/<arch>.py``) says, for each TransformerLens hook name, *where* its value
-lives in vLLM's module tree (a :class:`Site`) and *how* to turn what that module sees into
-TransformerLens's value (a reader). The runtime fires the site, narrows everything to one
-request's rows, and calls the reader; it knows nothing about architectures. Readers and writers
-are small frozen dataclasses (not lambdas) so that a plan can be pickled to worker processes.
+A mapping file (``mappings/<arch>.py``) says, for each TransformerLens hook name, either *where*
+its value lives in vLLM's module tree (a :class:`Site`) and *how* to turn what that module sees
+into TransformerLens's value (a reader, :mod:`vlens.readers`) — a :class:`HookSpec`; or how to
+compute it from other names once a request is complete (:mod:`vlens.derived`) — a
+:class:`DerivedSpec`. The runtime knows nothing about architectures.
 
-Names and paths may contain ``{layer}``; :func:`expand_layers` turns them into one entry per layer.
+Names, paths, sources and weight names may contain ``{layer}``; :func:`expand_layers` makes one
+entry per layer.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
-from jaxtyping import Float
-from torch import Tensor
+
+from vlens import derived, readers
+from vlens.readers import Reader
 
 Event = Literal["input", "output"]
 
@@ -47,9 +50,6 @@ class SiteCall(Protocol):
     def output(self, element: int | None) -> Any: ...
 
 
-Reader = Callable[[SiteCall], Tensor]
-
-
 @dataclass(frozen=True)
 class Argument:
     """An argument of the call, found by keyword or else by position."""
@@ -58,140 +58,101 @@ class Argument:
     name: str
 
 
-# --------------------------------------------------------------------------------------------
-# Readers: the value of one name, computed from one narrowed call.
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class OutputOf:
-    """The module's result (or one element of a tuple result), plus another element if given.
-
-    ``OutputOf(0, plus=1)`` reads vLLM's fused-residual pair ``(hidden, residual)`` as their sum.
-    """
-
-    element: int | None = None
-    plus: int | None = None
-
-    def __call__(self, call: SiteCall) -> Tensor:
-        value = call.output(self.element)
-        return value if self.plus is None else value + call.output(self.plus)
-
-
-@dataclass(frozen=True)
-class InputOf:
-    """An argument of the call, plus another argument if given and not None.
-
-    A decoder layer is called ``layer(positions, hidden, residual)``; the residual stream entering
-    it is ``hidden + residual``, or ``hidden`` alone for layer 0, where ``residual`` is None.
-    """
-
-    argument: Argument
-    plus: Argument | None = None
-
-    def __call__(self, call: SiteCall) -> Tensor:
-        value = call.argument(self.argument.index, self.argument.name)
-        if self.plus is not None:
-            other = call.argument(self.plus.index, self.plus.name)
-            if other is not None:
-                value = value + other
-        return value
-
-
-def rms(x: Float[Tensor, "pos d"], eps: float) -> Float[Tensor, "pos 1"]:
-    return (x.float().pow(2).mean(-1, keepdim=True) + eps).sqrt()
-
-
-@dataclass(frozen=True)
-class RmsScale:
-    """``sqrt(mean(x²) + eps)`` of the residual an RMSNorm reads: TransformerLens's ``hook_scale``."""
-
-    source: Reader
-    eps: float
-
-    def __call__(self, call: SiteCall) -> Float[Tensor, "pos 1"]:
-        x = self.source(call)
-        return rms(x, self.eps).to(x.dtype)
-
-
-@dataclass(frozen=True)
-class RmsNormalized:
-    """``x / scale``, before the norm's weight: TransformerLens's ``hook_normalized``."""
-
-    source: Reader
-    eps: float
-
-    def __call__(self, call: SiteCall) -> Float[Tensor, "pos d_model"]:
-        x = self.source(call)
-        return (x.float() / rms(x, self.eps)).to(x.dtype)
-
-
-@dataclass(frozen=True)
-class LogitsOf:
-    """Logits at every row, from the final norm's output, through the model's own logits processor.
-
-    vLLM computes logits for the sampled positions only; this applies the same ``lm_head`` (and,
-    under tensor parallelism, the same vocabulary gather) to every row.
-    """
-
-    source: Reader
-
-    def __call__(self, call: SiteCall) -> Float[Tensor, "pos d_vocab"]:
-        model = call.model
-        return model.logits_processor(model.lm_head, self.source(call))
-
-
-# --------------------------------------------------------------------------------------------
-# Hook specs: a name's site, reader and documented shape. Mapping files build them with the
-# helpers below so that they read like the forward pass they describe.
-# --------------------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class HookSpec:
-    """How one canonical TransformerLens name is read from vLLM.
+    """A name read from one vLLM site. ``shape`` is its shape for one request, in jaxtyping words.
 
-    ``shape`` is the value's shape for one request, in jaxtyping words, without the batch axis.
+    Readers return rows first (``[pos, ...]``); ``arrange``, an einops pattern, reorders the padded
+    batch where TransformerLens puts another axis first.
     """
 
     site: Site
     read: Reader
     shape: str
-    doc: str = ""
+    arrange: str | None = None
 
     def for_layer(self, layer: int) -> HookSpec:
         return dataclasses.replace(self, site=self.site.for_layer(layer))
+
+
+@dataclass(frozen=True)
+class DerivedSpec:
+    """A name computed in the user's process from ``sources`` (other names) over the whole batch."""
+
+    sources: tuple[str, ...]
+    compute: derived.Compute
+    shape: str
+
+    def for_layer(self, layer: int) -> DerivedSpec:
+        sources = tuple(source.format(layer=layer) for source in self.sources)
+        return DerivedSpec(sources, self.compute.for_layer(layer), self.shape)
+
+
+Spec = HookSpec | DerivedSpec
+
+# ---- helpers that mapping files read like the forward pass --------------------------------------
 
 
 def leaving(
     path: str, element: int | None = None, plus: int | None = None, shape: str = "pos d_model"
 ) -> HookSpec:
     """The value a module returns (``element`` of a tuple; ``plus`` another element added)."""
-    return HookSpec(Site(path, "output"), OutputOf(element, plus), shape)
+    return HookSpec(Site(path, "output"), readers.OutputOf(element, plus), shape)
 
 
 def entering(
     path: str, argument: Argument, plus: Argument | None = None, shape: str = "pos d_model"
 ) -> HookSpec:
     """The value a module is called with (``plus`` another argument added when not None)."""
-    return HookSpec(Site(path, "input"), InputOf(argument, plus), shape)
+    return HookSpec(Site(path, "input"), readers.InputOf(argument, plus), shape)
+
+
+def columns(of: HookSpec, start: int, stop: int, shape: str) -> HookSpec:
+    """One part of a fused projection's output (``[q | k | v]``, ``[gate | up]``)."""
+    return HookSpec(of.site, readers.Columns(of.read, start, stop), shape)
+
+
+def per_head(of: HookSpec, d_head: int, heads: str = "head") -> HookSpec:
+    """``[pos, heads·d_head]`` viewed as ``[pos, heads, d_head]``."""
+    return HookSpec(of.site, readers.PerHead(of.read, d_head), f"pos {heads} d_head")
+
+
+def repeated_per_head(of: HookSpec, heads: int, label: str = "head") -> HookSpec:
+    """TransformerLens's per-head copies of a block input (``hook_attn_in``, ``hook_q_input``)."""
+    return HookSpec(of.site, readers.RepeatPerHead(of.read, heads), f"pos {label} d_model")
 
 
 def rms_scale(of: HookSpec, eps: float) -> HookSpec:
-    return HookSpec(of.site, RmsScale(of.read, eps), "pos 1")
+    return HookSpec(of.site, readers.RmsScale(of.read, eps), "pos 1")
 
 
 def rms_normalized(of: HookSpec, eps: float) -> HookSpec:
-    return HookSpec(of.site, RmsNormalized(of.read, eps), of.shape)
+    return HookSpec(of.site, readers.RmsNormalized(of.read, eps), of.shape)
 
 
 def logits(of: HookSpec) -> HookSpec:
-    return HookSpec(of.site, LogitsOf(of.read), "pos d_vocab")
+    return HookSpec(of.site, readers.LogitsOf(of.read), "pos d_vocab")
 
 
-# --------------------------------------------------------------------------------------------
-# One architecture's mapping.
-# --------------------------------------------------------------------------------------------
+def attention_scores(rot_q: str, rot_k: str, scale: float) -> DerivedSpec:
+    return DerivedSpec((rot_q, rot_k), derived.AttentionScores(scale), "head query_pos key_pos")
+
+
+def attention_pattern(scores: str) -> DerivedSpec:
+    return DerivedSpec((scores,), derived.Softmax(), "head query_pos key_pos")
+
+
+def head_results(z: str, w_o: str) -> DerivedSpec:
+    """Per-head output after ``W_O``; ``w_o`` is the checkpoint's name of the output projection."""
+    return DerivedSpec((z,), derived.HeadResults(w_o), "pos head d_model")
+
+
+def heads_first(of: HookSpec, heads: str = "head") -> HookSpec:
+    """A per-head ``[pos, head, d]`` value that TransformerLens keeps as ``[head, pos, d]``."""
+    return dataclasses.replace(of, shape=f"{heads} pos d_head", arrange="b p h d -> b h p d")
+
+
+# ---- one architecture's mapping -----------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -202,23 +163,22 @@ class ArchitectureMapping:
     """
 
     architectures: tuple[str, ...]
-    hook_specs: Callable[[Any], dict[str, HookSpec]]
+    hook_specs: Callable[[Any], dict[str, Spec]]
 
-    def expanded(self, config: Any) -> dict[str, HookSpec]:
+    def expanded(self, config: Any) -> dict[str, Spec]:
         return expand_layers(self.hook_specs(config), config.num_hidden_layers)
 
 
-def expand_layers(specs: dict[str, HookSpec], n_layers: int) -> dict[str, HookSpec]:
+def expand_layers(specs: dict[str, Spec], n_layers: int) -> dict[str, Spec]:
     """One entry per layer for every name that contains ``{layer}``, in forward order."""
-    expanded: dict[str, HookSpec] = {}
-    global_before = {n: s for n, s in specs.items() if "{layer}" not in n and not _after_blocks(n)}
-    global_after = {n: s for n, s in specs.items() if "{layer}" not in n and _after_blocks(n)}
-    expanded.update(global_before)
+    per_layer = {name: spec for name, spec in specs.items() if "{layer}" in name}
+    before = {n: s for n, s in specs.items() if n not in per_layer and not _after_blocks(n)}
+    after = {n: s for n, s in specs.items() if n not in per_layer and _after_blocks(n)}
+    expanded: dict[str, Spec] = dict(before)
     for layer in range(n_layers):
-        for name, spec in specs.items():
-            if "{layer}" in name:
-                expanded[name.format(layer=layer)] = spec.for_layer(layer)
-    expanded.update(global_after)
+        for name, spec in per_layer.items():
+            expanded[name.format(layer=layer)] = spec.for_layer(layer)
+    expanded.update(after)
     return expanded
 
 

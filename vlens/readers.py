@@ -1,0 +1,133 @@
+"""Readers: TransformerLens's value of one name, computed from one module call narrowed to one
+request's rows (a :class:`vlens.mapping.SiteCall`). They run inside vLLM's worker, in the forward.
+
+Readers are small frozen dataclasses (not lambdas) so that a plan can be pickled to worker
+processes. Each returns ``[pos, ...]``; a view into vLLM's buffers is copied by the runtime.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+from einops import rearrange
+from jaxtyping import Float
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from vlens.mapping import Argument, SiteCall
+
+Reader = Callable[["SiteCall"], Tensor]
+
+
+@dataclass(frozen=True)
+class OutputOf:
+    """The module's result (or one element of a tuple result), plus another element if given.
+
+    ``OutputOf(0, plus=1)`` reads vLLM's fused-residual pair ``(hidden, residual)`` as their sum.
+    """
+
+    element: int | None = None
+    plus: int | None = None
+
+    def __call__(self, call: SiteCall) -> Tensor:
+        value = call.output(self.element)
+        return value if self.plus is None else value + call.output(self.plus)
+
+
+@dataclass(frozen=True)
+class InputOf:
+    """An argument of the call, plus another argument if given and not None.
+
+    A decoder layer is called ``layer(positions, hidden, residual)``; the residual stream entering
+    it is ``hidden + residual``, or ``hidden`` alone for layer 0, where ``residual`` is None.
+    """
+
+    argument: Argument
+    plus: Argument | None = None
+
+    def __call__(self, call: SiteCall) -> Tensor:
+        value = call.argument(self.argument.index, self.argument.name)
+        if self.plus is not None:
+            other = call.argument(self.plus.index, self.plus.name)
+            if other is not None:
+                value = value + other
+        return value
+
+
+@dataclass(frozen=True)
+class Columns:
+    """Columns ``start:stop`` of the source's last axis: one part of a fused projection."""
+
+    source: Reader
+    start: int
+    stop: int
+
+    def __call__(self, call: SiteCall) -> Tensor:
+        return self.source(call)[..., self.start : self.stop]
+
+
+@dataclass(frozen=True)
+class PerHead:
+    """``[pos, heads·d_head]`` → ``[pos, heads, d_head]``."""
+
+    source: Reader
+    d_head: int
+
+    def __call__(self, call: SiteCall) -> Float[Tensor, "pos head d_head"]:
+        return rearrange(self.source(call), "pos (head d) -> pos head d", d=self.d_head)
+
+
+@dataclass(frozen=True)
+class RepeatPerHead:
+    """``[pos, d_model]`` → ``[pos, heads, d_model]``: TransformerLens's per-head input copies."""
+
+    source: Reader
+    heads: int
+
+    def __call__(self, call: SiteCall) -> Float[Tensor, "pos head d_model"]:
+        x = self.source(call)
+        return x[:, None, :].expand(x.shape[0], self.heads, x.shape[1]).clone()
+
+
+def rms(x: Float[Tensor, "... d"], eps: float) -> Float[Tensor, "... 1"]:
+    return (x.float().pow(2).mean(-1, keepdim=True) + eps).sqrt()
+
+
+@dataclass(frozen=True)
+class RmsScale:
+    """``sqrt(mean(x²) + eps)`` of the residual an RMSNorm reads: TransformerLens's ``hook_scale``."""
+
+    source: Reader
+    eps: float
+
+    def __call__(self, call: SiteCall) -> Float[Tensor, "pos 1"]:
+        x = self.source(call)
+        return rms(x, self.eps).to(x.dtype)
+
+
+@dataclass(frozen=True)
+class RmsNormalized:
+    """``x / scale``, before the norm's weight: TransformerLens's ``hook_normalized``."""
+
+    source: Reader
+    eps: float
+
+    def __call__(self, call: SiteCall) -> Float[Tensor, "pos d_model"]:
+        x = self.source(call)
+        return (x.float() / rms(x, self.eps)).to(x.dtype)
+
+
+@dataclass(frozen=True)
+class LogitsOf:
+    """Logits at every row, from the final norm's output, through the model's own logits processor.
+
+    vLLM computes logits for the sampled positions only; this applies the same ``lm_head`` (and,
+    under tensor parallelism, the same vocabulary gather) to every row.
+    """
+
+    source: Reader
+
+    def __call__(self, call: SiteCall) -> Float[Tensor, "pos d_vocab"]:
+        model = call.model
+        return model.logits_processor(model.lm_head, self.source(call))
