@@ -3,12 +3,16 @@ request's rows (a :class:`vlens.mapping.SiteCall`). They run inside vLLM's worke
 
 Readers are small frozen dataclasses (not lambdas) so that a plan can be pickled to worker
 processes. Each returns ``[pos, ...]``; a view into vLLM's buffers is copied by the runtime.
+
+A reader whose value can be edited also has ``write(call, new)``: it changes vLLM's own tensors
+(in place, on this request's rows only) so that the model computes on with ``new`` and every
+later name sees it. A reader without ``write`` names a value that can be read, not edited.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from einops import rearrange
 from jaxtyping import Float
@@ -18,6 +22,13 @@ if TYPE_CHECKING:
     from vlens.mapping import Argument, SiteCall
 
 Reader = Callable[["SiteCall"], Tensor]
+
+
+def writable(reader: Any) -> bool:
+    """Whether edits of this reader's value can be written back into the model."""
+    if isinstance(reader, (Columns, PerHead)):
+        return writable(reader.source)
+    return hasattr(reader, "write")
 
 
 @dataclass(frozen=True)
@@ -33,6 +44,11 @@ class OutputOf:
     def __call__(self, call: SiteCall) -> Tensor:
         value = call.output(self.element)
         return value if self.plus is None else value + call.output(self.plus)
+
+    def write(self, call: SiteCall, new: Tensor) -> None:
+        """A sum is edited through its first term, which the next computation reads."""
+        target = call.output(self.element)
+        target.copy_(new if self.plus is None else target + (new - self(call)))
 
 
 @dataclass(frozen=True)
@@ -54,6 +70,11 @@ class InputOf:
                 value = value + other
         return value
 
+    def write(self, call: SiteCall, new: Tensor) -> None:
+        """A sum is edited through its first argument; the module adds the second itself."""
+        target = call.argument(self.argument.index, self.argument.name)
+        target.copy_(new if self.plus is None else target + (new - self(call)))
+
 
 @dataclass(frozen=True)
 class Columns:
@@ -66,6 +87,11 @@ class Columns:
     def __call__(self, call: SiteCall) -> Tensor:
         return self.source(call)[..., self.start : self.stop]
 
+    def write(self, call: SiteCall, new: Tensor) -> None:
+        whole = self.source(call).clone()
+        whole[..., self.start : self.stop] = new
+        self.source.write(call, whole)
+
 
 @dataclass(frozen=True)
 class PerHead:
@@ -76,6 +102,9 @@ class PerHead:
 
     def __call__(self, call: SiteCall) -> Float[Tensor, "pos head d_head"]:
         return rearrange(self.source(call), "pos (head d) -> pos head d", d=self.d_head)
+
+    def write(self, call: SiteCall, new: Tensor) -> None:
+        self.source.write(call, rearrange(new, "pos head d -> pos (head d)"))
 
 
 @dataclass(frozen=True)
