@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -17,10 +18,13 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 from vlens.cache import VLensCache, join_chunks, pad_batch
 from vlens.derived import Batch
 from vlens.engine import Engine
-from vlens.mapping import DerivedSpec, HookSpec, Spec
+from vlens.hook_registry import FwdHooks, HookRegistry, NameOrFilter
+from vlens.mapping import DerivedSpec, HookSpec, Site, Spec
 from vlens.mappings import mapping_for
 from vlens.names import NamesFilter, select_names
+from vlens.runtime.hooks import HookError
 from vlens.runtime.layout import TAG_KEY
+from vlens.runtime.plan import HookFunction, NamePlan, RequestPlan
 from vlens.runtime.worker import RequestCapture
 from vlens.weights import CheckpointWeights
 
@@ -80,6 +84,7 @@ class HookedVLLM:
         self.cfg = ModelConfig.from_hf(config)
         self.tokenizer = tokenizer
         self.hook_specs = hook_specs
+        self.registry = HookRegistry(hook_specs)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, **engine_kwargs: Any) -> HookedVLLM:
@@ -135,6 +140,56 @@ class HookedVLLM:
         ids = tokens.tolist() if isinstance(tokens, Tensor) else list(tokens)
         return self.tokenizer.decode(ids)
 
+    # ---- hooks (TransformerLens's API) -------------------------------------------------------
+
+    def add_hook(
+        self,
+        name: NameOrFilter,
+        hook: HookFunction,
+        dir: Literal["fwd"] = "fwd",
+        is_permanent: bool = False,
+    ) -> None:
+        """Run ``hook(tensor, hook_point)`` at ``name`` (or every name a filter accepts) in every
+        later call, until :meth:`reset_hooks`. It may return a replacement tensor, or edit the
+        tensor in place and return None; either reaches the model."""
+        if dir != "fwd":
+            raise ValueError("vLLM runs inference only: there are no backward hooks (dir='fwd')")
+        self.registry.add(name, hook, is_permanent)
+
+    def reset_hooks(self, clear_contexts: bool = True, including_permanent: bool = False) -> None:
+        self.registry.reset(including_permanent)
+        if clear_contexts:
+            self.engine.on_workers("clear_contexts")
+
+    @contextmanager
+    def hooks(
+        self, fwd_hooks: FwdHooks = (), reset_hooks_end: bool = True, clear_contexts: bool = False
+    ) -> Iterator[HookedVLLM]:
+        """``with model.hooks(fwd_hooks=[(name, fn)]):`` — hooks for the calls in the block."""
+        before = list(self.registry.added)
+        try:
+            for name, function in fwd_hooks:
+                self.add_hook(name, function)
+            yield self
+        finally:
+            if reset_hooks_end:
+                self.registry.added = before
+                if clear_contexts:
+                    self.engine.on_workers("clear_contexts")
+
+    def run_with_hooks(
+        self,
+        input: Input,
+        fwd_hooks: FwdHooks = (),
+        reset_hooks_end: bool = True,
+        clear_contexts: bool = False,
+        return_type: Literal["logits"] | None = "logits",
+    ) -> Float[Tensor, "batch pos d_vocab"] | None:
+        """One forward over the prompts with ``fwd_hooks`` (and any added hooks) applied."""
+        with self.hooks(fwd_hooks, reset_hooks_end, clear_contexts):
+            logits, _ = self.run_with_cache(input, names_filter=[], return_type=return_type)
+        return logits
+
     # ---- caching -----------------------------------------------------------------------------
 
     def run_with_cache(
@@ -144,7 +199,7 @@ class HookedVLLM:
         return_type: Literal["logits"] | None = "logits",
         max_new_tokens: int = 0,
     ) -> tuple[Float[Tensor, "batch pos d_vocab"] | None, VLensCache]:
-        """Run the prompts through vLLM and return ``(logits, cache)``.
+        """Run the prompts through vLLM and return ``(logits, cache)``; added hooks apply.
 
         Logits are at every position; prompts of different lengths are right-padded with zeros,
         and ``cache.lengths`` / ``cache.attention_mask`` tell real positions from padding.
@@ -158,16 +213,20 @@ class HookedVLLM:
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, not {max_new_tokens}")
         prompts = self.token_lists(input)
-        names = select_names(names_filter, self.hook_names)
+        names = [] if names_filter == [] else select_names(names_filter, self.hook_names)
         wanted = names + ([LOGITS] if return_type == "logits" and LOGITS not in names else [])
-        site_specs = {name: self.hook_specs[name] for name in self._site_names(wanted)}
-        captures, generated = self._capture(prompts, site_specs, max_new_tokens)
+        kept = self._site_names(wanted)
+        hooks = self.registry.resolve(())
+        plans = [self._plan(index, kept, hooks) for index in range(len(prompts))]
+        captures, generated = self._run(prompts, plans, self._greedy(max_new_tokens))
+        if max_new_tokens == 0:
+            generated = [[] for _ in prompts]
         tokens = [p + g[: max(0, len(g) - 1)] for p, g in zip(prompts, generated)]
         lengths = torch.tensor([len(t) for t in tokens])
-        values = {
-            name: self._padded(name, spec, captures, lengths) for name, spec in site_specs.items()
-        }
-        batch = Batch(mask=torch.arange(int(lengths.max()))[None] < lengths[:, None], weights=self.weights)
+        values = {name: self._padded(name, captures, lengths) for name in kept}
+        batch = Batch(
+            mask=torch.arange(int(lengths.max()))[None] < lengths[:, None], weights=self.weights
+        )
         for name in wanted:
             self._derive(name, values, batch)
         shapes = {name: self.hook_specs[name].shape for name in names}
@@ -175,23 +234,84 @@ class HookedVLLM:
         cache.tokens = pad_batch([torch.tensor(t) for t in tokens])
         return (values[LOGITS] if return_type == "logits" else None), cache
 
+    # ---- generation --------------------------------------------------------------------------
+
+    def generate(
+        self,
+        input: Input,
+        max_new_tokens: int = 10,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int | None = None,
+        do_sample: bool = True,
+        stop_at_eos: bool = True,
+        seed: int | None = None,
+        fwd_hooks: FwdHooks = (),
+        prompt_hooks: Sequence[FwdHooks] | None = None,
+        return_type: Literal["input", "str", "tokens"] = "input",
+    ) -> str | list[str] | list[list[int]]:
+        """Continue each prompt by up to ``max_new_tokens`` tokens, with hooks applied at prefill
+        and at every decode step.
+
+        ``fwd_hooks`` (and hooks added with :meth:`add_hook`) apply to every prompt;
+        ``prompt_hooks[i]`` to prompt ``i`` only, so one batch can mix steered and plain prompts.
+        Returns, as TransformerLens does, prompt + completion: text for text input
+        (``return_type="input"``), or ``"str"`` / ``"tokens"`` explicitly.
+        """
+        from vllm import SamplingParams
+
+        prompts = self.token_lists(input)
+        if prompt_hooks is not None and len(prompt_hooks) != len(prompts):
+            raise ValueError(f"prompt_hooks has {len(prompt_hooks)} entries for {len(prompts)} prompts")
+        shared = self.registry.resolve(fwd_hooks)
+        plans = []
+        for index in range(len(prompts)):
+            own = {} if prompt_hooks is None else self.registry.resolve(prompt_hooks[index], False)
+            hooks = {name: shared.get(name, ()) + own.get(name, ()) for name in {*shared, *own}}
+            plans.append(self._plan(index, [], hooks))
+        params = SamplingParams(
+            max_tokens=max_new_tokens,
+            temperature=temperature if do_sample else 0.0,
+            top_p=top_p,
+            top_k=top_k or 0,
+            seed=seed,
+            ignore_eos=not stop_at_eos,
+        )
+        _, generated = self._run(prompts, plans, params)
+        sequences = [prompt + new for prompt, new in zip(prompts, generated)]
+        as_text = return_type == "str" or (
+            return_type == "input" and (isinstance(input, str) or _is_texts(input))
+        )
+        if not as_text:
+            return sequences
+        texts = [self.to_string(sequence) for sequence in sequences]
+        return texts[0] if isinstance(input, str) else texts
+
+    # ---- running requests --------------------------------------------------------------------
+
     def _site_names(self, names: list[str]) -> list[str]:
         """The names read from vLLM sites that ``names`` need (derived names' sources included)."""
-        needed: dict[str, None] = {}
-        pending = list(names)
-        while pending:
-            name = pending.pop()
-            spec = self.hook_specs[name]
-            if isinstance(spec, DerivedSpec):
-                pending.extend(spec.sources)
-            else:
-                needed[name] = None
+        needed = {site for name in names for site in self.registry.site_sources(name)}
         return [name for name in self.hook_specs if name in needed]
 
-    @staticmethod
-    def _padded(
-        name: str, spec: HookSpec, captures: list[RequestCapture], lengths: Tensor
-    ) -> Tensor:
+    def _plan(
+        self, index: int, kept: list[str], hooks: dict[str, tuple[HookFunction, ...]]
+    ) -> RequestPlan:
+        """Request ``index``'s names by site, in forward order: each with its hook functions and
+        whether its value is kept for the cache."""
+        sites: dict[Site, list[NamePlan]] = {}
+        for name in self.hook_specs:
+            if name not in hooks and name not in kept:
+                continue
+            spec = self.hook_specs[name]
+            assert isinstance(spec, HookSpec)
+            plan = NamePlan(name, spec.read, spec.arrange, hooks.get(name, ()), name in kept)
+            sites.setdefault(spec.site, []).append(plan)
+        return RequestPlan(index, {site: tuple(plans) for site, plans in sites.items()})
+
+    def _padded(self, name: str, captures: list[RequestCapture], lengths: Tensor) -> Tensor:
+        spec = self.hook_specs[name]
+        assert isinstance(spec, HookSpec)
         rows = [join_chunks(name, c.chunks[name], int(n)) for c, n in zip(captures, lengths)]
         value = pad_batch(rows)
         return value if spec.arrange is None else rearrange(value, spec.arrange)
@@ -204,28 +324,32 @@ class HookedVLLM:
             values[name] = spec.compute(sources, batch)
         return values[name]
 
-    def _capture(
-        self, prompts: list[list[int]], specs: dict[str, HookSpec], max_new_tokens: int
-    ) -> tuple[list[RequestCapture], list[list[int]]]:
-        """Greedy generation over ``prompts`` (one token, discarded, when ``max_new_tokens`` is 0)
-        with ``specs`` captured; returns the captures and the generated tokens kept."""
+    @staticmethod
+    def _greedy(max_new_tokens: int) -> Any:
+        """Greedy decoding; one token (discarded) when only the prompt's forward is wanted."""
         from vllm import SamplingParams
+
+        return SamplingParams(max_tokens=max(1, max_new_tokens), temperature=0.0)
+
+    def _run(
+        self, prompts: list[list[int]], plans: list[RequestPlan], params: Any
+    ) -> tuple[list[RequestCapture], list[list[int]]]:
+        """Submit ``prompts`` together, each followed by its plan; returns what each captured and
+        the tokens each generated. A failure in one request's hooks is raised after the call."""
         from vllm.inputs import TokensPrompt
 
         call = next(_call_ids)
         tags = [f"{call}:{index}" for index in range(len(prompts))]
-        self.engine.on_workers("prepare", {tag: specs for tag in tags})
+        request_params = []
+        for tag in tags:
+            own = params.clone()
+            own.extra_args = {**(params.extra_args or {}), TAG_KEY: tag}
+            request_params.append(own)
+        self.engine.on_workers("prepare", dict(zip(tags, plans)))
         try:
             outputs = self.engine.llm.generate(
                 [TokensPrompt(prompt_token_ids=prompt) for prompt in prompts],
-                [
-                    SamplingParams(
-                        max_tokens=max(1, max_new_tokens),
-                        temperature=0.0,
-                        extra_args={TAG_KEY: tag},
-                    )
-                    for tag in tags
-                ],
+                request_params,
                 use_tqdm=False,
             )
         finally:
@@ -233,6 +357,9 @@ class HookedVLLM:
         captures = [captured[tag] for tag in tags]
         for index, capture in enumerate(captures):
             if capture.error is not None:
-                raise RuntimeError(f"prompt {index}: {capture.error}")
-        generated = [list(out.outputs[0].token_ids) if max_new_tokens else [] for out in outputs]
-        return captures, generated
+                raise HookError(f"prompt {index}: {capture.error}") from capture.cause
+        return captures, [list(output.outputs[0].token_ids) for output in outputs]
+
+
+def _is_texts(input: Input) -> bool:
+    return isinstance(input, (list, tuple)) and len(input) > 0 and isinstance(input[0], str)

@@ -1,9 +1,12 @@
 """The worker side of vlens: one :class:`WorkerRuntime` per vLLM worker.
 
-The user's process hands it, before a call, what each request (by tag) wants captured; it
-installs a torch hook on every site those names need and no other; during the call each hook
-narrows the step to each followed request's rows and stores the values; after the call the user's
-process collects them. Sites whose names no request needs any more are removed.
+The user's process hands it, before a call, what each request (by tag) wants: names to keep and
+hook functions to run (a :class:`~vlens.runtime.plan.RequestPlan`). It installs a torch hook on
+every site those names need and no other; during the call each site narrows the step to each
+followed request's rows, runs that request's hook functions (which may edit) and keeps the values
+asked for; after the call the user's process collects them. Sites whose names no request needs any
+more are removed. A failure inside one request's hooks is recorded for that request and stops its
+hooks; the engine runs on, and the user's process raises it after the call.
 """
 
 from __future__ import annotations
@@ -15,8 +18,10 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from vlens.mapping import HookSpec, Reader, Site
+from vlens.mapping import Site
+from vlens.runtime.hooks import HookError, run_hooks
 from vlens.runtime.layout import Followed, RequestRows, read_step_layout
+from vlens.runtime.plan import RequestPlan
 from vlens.runtime.sites import NarrowedCall, install_site, read_rows
 
 
@@ -34,6 +39,7 @@ class RequestCapture:
 
     chunks: dict[str, list[Chunk]] = field(default_factory=lambda: defaultdict(list))
     error: str | None = None
+    cause: BaseException | None = None
 
 
 class WorkerRuntime:
@@ -42,8 +48,9 @@ class WorkerRuntime:
     def __init__(self, runner: Any) -> None:
         self.runner = runner
         self.model: nn.Module = runner.get_model()
-        self.wanted: dict[str, dict[Site, list[tuple[str, Reader]]]] = {}
+        self.wanted: dict[str, RequestPlan] = {}
         self.captures: dict[str, RequestCapture] = {}
+        self.contexts: dict[str, dict[str, Any]] = {}
         self.handles: dict[Site, Any] = {}
         self.followed: dict[str, Followed] = {}
         self.layout: list[RequestRows] | None = None
@@ -64,15 +71,12 @@ class WorkerRuntime:
 
     # ---- called from the user's process ------------------------------------------------------
 
-    def prepare(self, requests: dict[str, dict[str, HookSpec]]) -> None:
-        """Follow these requests (tag → names to capture) and install the sites they need."""
-        for tag, specs in requests.items():
-            by_site: dict[Site, list[tuple[str, Reader]]] = defaultdict(list)
-            for name, spec in specs.items():
-                by_site[spec.site].append((name, spec.read))
-            self.wanted[tag] = dict(by_site)
+    def prepare(self, requests: dict[str, RequestPlan]) -> None:
+        """Follow these requests (by tag) and install the sites their plans need."""
+        for tag, plan in requests.items():
+            self.wanted[tag] = plan
             self.captures[tag] = RequestCapture()
-        for site in {s for by_site in self.wanted.values() for s in by_site}:
+        for site in {site for plan in self.wanted.values() for site in plan.sites}:
             if site not in self.handles:
                 self.handles[site] = install_site(self.model, site, self._site_fired(site))
 
@@ -81,7 +85,7 @@ class WorkerRuntime:
         done = {tag: self.captures.pop(tag) for tag in tags}
         for tag in tags:
             self.wanted.pop(tag, None)
-        still_needed = {s for by_site in self.wanted.values() for s in by_site}
+        still_needed = {site for plan in self.wanted.values() for site in plan.sites}
         for site in list(self.handles):
             if site not in still_needed:
                 self.handles.pop(site).remove()
@@ -92,6 +96,10 @@ class WorkerRuntime:
     def module_tree(self) -> str:
         return repr(self.model)
 
+    def clear_contexts(self) -> None:
+        """Forget every ``hook.ctx`` (TransformerLens's ``reset_hooks(clear_contexts=True)``)."""
+        self.contexts.clear()
+
     # ---- inside the forward ------------------------------------------------------------------
 
     def _site_fired(self, site: Site):
@@ -99,18 +107,26 @@ class WorkerRuntime:
             if self.layout is None:
                 return
             for rows in self.layout:
-                readers = self.wanted.get(rows.tag, {}).get(site)
+                plan = self.wanted.get(rows.tag)
+                names = plan.sites.get(site) if plan is not None else None
                 capture = self.captures.get(rows.tag)
-                if not readers or capture is None or capture.error is not None:
+                if not names or capture is None or capture.error is not None:
                     continue
                 call = NarrowedCall(self.model, rows, args, kwargs, output)
-                for name, reader in readers:
+                for name in names:
                     try:
-                        value = read_rows(call, reader)
-                    except Exception:  # noqa: BLE001 - reported to the caller after the call
-                        capture.error = f"while reading {name}:\n{traceback.format_exc()}"
+                        if name.hooks:
+                            run_hooks(name, call, rows, plan.index, self.contexts)
+                        if name.keep:
+                            value = read_rows(call, name.read)
+                            capture.chunks[name.name].append(Chunk(rows.first_position, value))
+                    except HookError as error:
+                        capture.error = str(error)
+                        capture.cause = error.__cause__
                         break
-                    capture.chunks[name].append(Chunk(rows.first_position, value))
+                    except Exception:  # noqa: BLE001 - reported to the caller after the call
+                        capture.error = f"while reading {name.name}:\n{traceback.format_exc()}"
+                        break
 
         return on_call
 

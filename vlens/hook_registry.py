@@ -1,0 +1,76 @@
+"""The hook functions a model carries between calls: TransformerLens's ``add_hook`` /
+``reset_hooks`` bookkeeping, in the user's process. Names are resolved when a hook is added, so a
+wrong name fails there, not in the middle of a batch."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from vlens.mapping import DerivedSpec, Spec
+from vlens.names import canonical
+from vlens.runtime.plan import HookFunction
+
+NameOrFilter = str | Callable[[str], bool]
+FwdHooks = Sequence[tuple[NameOrFilter, HookFunction]]
+
+
+@dataclass(frozen=True)
+class AddedHook:
+    name: str
+    function: HookFunction
+    permanent: bool
+
+
+class HookRegistry:
+    """Hook functions by canonical name, in the order they were added."""
+
+    def __init__(self, specs: dict[str, Spec]) -> None:
+        self.specs = specs
+        self.added: list[AddedHook] = []
+
+    def names(self, name_or_filter: NameOrFilter) -> list[str]:
+        """The canonical names a hook name or filter stands for; derived names are refused."""
+        if callable(name_or_filter):
+            names = [name for name in self.specs if name_or_filter(name)]
+            if not names:
+                raise ValueError("the hook's name filter accepted none of this model's hook names")
+        else:
+            names = [canonical(name_or_filter, self.specs)]
+        for name in names:
+            if isinstance(self.specs[name], DerivedSpec):
+                feeds = ", ".join(self.site_sources(name))
+                raise ValueError(
+                    f"{name} cannot carry a hook: vLLM never forms it during the forward; vlens "
+                    f"rebuilds it afterwards from {feeds}. Read it with run_with_cache, or hook "
+                    f"{feeds} to change what it is built from."
+                )
+        return names
+
+    def site_sources(self, name: str) -> list[str]:
+        """The names read from vLLM that a derived name is built from."""
+        spec = self.specs[name]
+        if not isinstance(spec, DerivedSpec):
+            return [name]
+        return [site for source in spec.sources for site in self.site_sources(source)]
+
+    def add(self, name_or_filter: NameOrFilter, function: HookFunction, permanent: bool) -> None:
+        if not callable(function):
+            raise TypeError(f"a hook function must be callable, got {type(function).__name__}")
+        self.added += [AddedHook(n, function, permanent) for n in self.names(name_or_filter)]
+
+    def reset(self, including_permanent: bool) -> None:
+        self.added = [hook for hook in self.added if hook.permanent and not including_permanent]
+
+    def resolve(
+        self, fwd_hooks: FwdHooks, with_added: bool = True
+    ) -> dict[str, tuple[HookFunction, ...]]:
+        """``fwd_hooks`` (for one call), after the hooks added so far unless ``with_added`` is
+        False, by canonical name."""
+        by_name: dict[str, list[HookFunction]] = {}
+        for hook in self.added if with_added else ():
+            by_name.setdefault(hook.name, []).append(hook.function)
+        for name_or_filter, function in fwd_hooks:
+            for name in self.names(name_or_filter):
+                by_name.setdefault(name, []).append(function)
+        return {name: tuple(functions) for name, functions in by_name.items()}
