@@ -6,7 +6,7 @@ from transformers import PretrainedConfig
 
 from vlens.mapping import ArchitectureMapping
 
-MAPPING_MODULES = ("llama", "qwen3")
+MAPPING_MODULES = ("llama", "qwen3", "gpt2", "deepseek")
 
 
 def all_mappings() -> list[ArchitectureMapping]:

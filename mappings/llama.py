@@ -41,6 +41,7 @@ from vlens.mapping import (
     rms_normalized,
     rms_scale,
 )
+from vlens.weights import WeightNames
 
 LAYER = "model.layers.{layer}"
 ATTN = f"{LAYER}.self_attn"
@@ -109,4 +110,15 @@ def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
     }
 
 
-MAPPING = ArchitectureMapping(architectures=("LlamaForCausalLM",), hook_specs=hook_specs)
+WEIGHTS = WeightNames(
+    normalization="RMS",
+    eps="rms_norm_eps",
+    W_O="model.layers.{layer}.self_attn.o_proj.weight",
+    W_out="model.layers.{layer}.mlp.down_proj.weight",
+    W_U=("lm_head.weight", "model.embed_tokens.weight"),
+    ln_final_w="model.norm.weight",
+)
+
+MAPPING = ArchitectureMapping(
+    architectures=("LlamaForCausalLM",), hook_specs=hook_specs, weights=WEIGHTS
+)

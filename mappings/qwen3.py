@@ -30,4 +30,6 @@ def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
     return {**dict(list(specs.items())[:at]), **normed, **dict(list(specs.items())[at:])}
 
 
-MAPPING = ArchitectureMapping(architectures=("Qwen3ForCausalLM",), hook_specs=hook_specs)
+MAPPING = ArchitectureMapping(
+    architectures=("Qwen3ForCausalLM",), hook_specs=hook_specs, weights=llama.WEIGHTS
+)

@@ -59,7 +59,13 @@ def rms_parts(x: Tensor, eps: float) -> tuple[Tensor, Tensor]:
 
 #: HuggingFace architecture → module of this package whose ``record(model, recorder)`` installs
 #: the hooks and returns the function turning one forward's recordings into canonical names.
-RECORDERS = {"LlamaForCausalLM": "hf_llama", "Qwen3ForCausalLM": "hf_llama"}
+RECORDERS = {
+    "LlamaForCausalLM": "hf_llama",
+    "Qwen3ForCausalLM": "hf_llama",
+    "GPT2LMHeadModel": "hf_gpt2",
+    "DeepseekV2ForCausalLM": "hf_deepseek",
+    "DeepseekV3ForCausalLM": "hf_deepseek",
+}
 
 
 def recorder_for(architecture: str) -> Callable[..., Callable[[Tensor, tuple[Tensor, ...]], Values]]:
@@ -88,16 +94,26 @@ def hf_reference(path: str | Path, prompts: list[list[int]]) -> list[Values]:
 @torch.no_grad()
 def transformer_lens_reference(
     path: str | Path, prompts: list[list[int]], names: list[str]
-) -> list[Values]:
-    """The same names from TransformerLens's own cache, for each prompt run alone."""
-    from transformer_lens.model_bridge import TransformerBridge
+) -> list[Values] | None:
+    """The same names from TransformerLens's own cache, for each prompt run alone; None when
+    TransformerLens cannot set the model up with the hooks compared here (DeepSeek's MLA: the
+    bridge has no split-qkv input hooks for it), or when TransformerLens is not installed (the
+    GPU machine: HuggingFace is the only reference there)."""
+    try:
+        from transformer_lens.model_bridge import TransformerBridge
+    except ImportError:
+        return None
 
-    bridge = TransformerBridge.boot_transformers(str(path), dtype=torch.float32)
-    bridge.enable_compatibility_mode(no_processing=True)
-    # The names TransformerLens computes only when asked (hook_attn_in excludes the split inputs).
-    bridge.set_use_attn_result(True)
-    bridge.set_use_split_qkv_input(True)
-    bridge.set_use_hook_mlp_in(True)
+    try:
+        bridge = TransformerBridge.boot_transformers(str(path), dtype=torch.float32)
+        bridge.enable_compatibility_mode(no_processing=True)
+        # The names TransformerLens computes only when asked (hook_attn_in excludes the split
+        # inputs).
+        bridge.set_use_attn_result(True)
+        bridge.set_use_split_qkv_input(True)
+        bridge.set_use_hook_mlp_in(True)
+    except (AttributeError, NotImplementedError):
+        return None
     results = []
     for prompt in prompts:
         logits, cache = bridge.run_with_cache(torch.tensor([prompt]))

@@ -35,6 +35,7 @@ def run_parity(
         ours = [{name: cache.unpadded(name, i) for name in cache.keys()} for i in range(len(prompts))]
         rows += rows_against("HuggingFace", mode, ours, hf_reference(path, sequences))
         tl = transformer_lens_reference(path, sequences, list(ours[0]))
-        rows += rows_against("TransformerLens", mode, ours, tl)
+        if tl is not None:
+            rows += rows_against("TransformerLens", mode, ours, tl)
     covered = {row.name for row in rows}
     return rows, [name for name in model.hook_names if name not in covered]

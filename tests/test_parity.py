@@ -1,12 +1,16 @@
 """Every name of every supported architecture against HuggingFace and TransformerLens (fp32)."""
 
+import pytest
+
 from vlens.parity.compare import FP32_MAX_REL
 from vlens.parity.run import run_parity
+from vlens.testing import tiny_model
 
 
-def test_every_name_matches_references(hooked, rotary_arch, checkpoint):
-    model = hooked(rotary_arch)
-    rows, uncovered = run_parity(model, checkpoint)
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "gpt2"])
+def test_every_name_matches_references(hooked, arch):
+    model = hooked(arch)
+    rows, uncovered = run_parity(model, tiny_model(arch))
     assert not uncovered, f"names with no reference: {uncovered}"
     assert {row.reference for row in rows} == {"HuggingFace", "TransformerLens"}
     assert {row.name for row in rows} == set(model.hook_names)

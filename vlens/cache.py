@@ -77,11 +77,19 @@ class VLensCache(ActivationCache):
         return positions[None, :] < self.lengths[:, None]
 
     def __getitem__(self, key: Any) -> Tensor:
-        name = key if isinstance(key, str) else short_form(_absolute_layer(key, self.model))
-        try:
-            return self.cache_dict[canonical(name, self.cache_dict.keys(), "this cache")]
-        except UnknownHookName as missing:
-            raise UnknownHookName(name, self.cache_dict.keys(), "this cache") from missing
+        names = self.cache_dict.keys()
+        if isinstance(key, str):
+            if key in names:
+                return self.cache_dict[key]
+            spellings = [key, short_form((key,))]  # "pos_embed" → "hook_pos_embed"
+        else:
+            spellings = [short_form(_absolute_layer(key, self.model))]
+        for name in spellings:
+            try:
+                return self.cache_dict[canonical(name, names, "this cache")]
+            except UnknownHookName:
+                continue
+        raise UnknownHookName(spellings[0], names, "this cache")
 
     def __repr__(self) -> str:
         return f"VLensCache(batch={len(self.lengths)}, names={len(self.cache_dict)})"

@@ -8,6 +8,24 @@ import os
 import sys
 from pathlib import Path
 
+from transformers import AutoConfig
+
+from vlens.activation_store import (
+    DTYPES,
+    StoreError,
+    count_prompts,
+    open_store,
+    read_prompts,
+    resolve_names,
+    write_activations,
+)
+from vlens.hooked import HookedVLLM
+from vlens.lens import format_lens, logit_lens, plot_lens, require_matplotlib
+from vlens.mapping import Spec
+from vlens.mappings import mapping_for
+from vlens.names import UnknownHookName
+from vlens.weights import CheckpointWeights
+
 DEFAULT_PROMPT = "The capital of France is"
 
 
@@ -26,44 +44,123 @@ def model_folder(name: str | None) -> Path:
     return Path(name)
 
 
+def hook_specs(folder: Path) -> dict[str, Spec]:
+    """The model's hook names and their specs, from its config alone (no engine)."""
+    config = AutoConfig.from_pretrained(folder)
+    return mapping_for(config).expanded(config)
+
+
 def names_command(args: argparse.Namespace) -> None:
-    from transformers import AutoConfig
-
-    from vlens.mappings import mapping_for
-
-    config = AutoConfig.from_pretrained(model_folder(args.model))
-    for name, spec in mapping_for(config).expanded(config).items():
+    for name, spec in hook_specs(model_folder(args.model)).items():
         print(f"{name:45} [batch {spec.shape}]")
 
 
 def lens_command(args: argparse.Namespace) -> None:
-    from vlens import HookedVLLM
-    from vlens.lens import format_lens, logit_lens
-    from vlens.weights import CheckpointWeights
-
+    if args.plot:
+        try:
+            require_matplotlib()  # before the engine loads, not after
+        except ModuleNotFoundError as missing:
+            raise SystemExit(f"vlens lens --plot: {missing}") from None
     folder = model_folder(args.model)
-    model = HookedVLLM.from_pretrained(folder, dtype="float32", max_model_len=1024)
+    context = min(1024, AutoConfig.from_pretrained(folder).max_position_embeddings)  # KV memory
+    model = HookedVLLM.from_pretrained(folder, dtype="float32", max_model_len=context)
     view = logit_lens(model, args.prompt, CheckpointWeights(folder))
     print(f"Logit lens of {args.prompt!r}: the top next token at each layer (rows) and position")
     print(format_lens(view))
     print(f"\nThe model's prediction after the last token: {view.top_tokens[-1][-1]!r}")
+    if args.plot:
+        plot_lens(view, args.plot, title=f"Logit lens of {args.prompt!r} ({folder.name})")
+        print(f"Plot written to {args.plot}")
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="vlens", description=__doc__)
-    commands = parser.add_subparsers(dest="command")
+def cache_command(args: argparse.Namespace) -> None:
+    folder = model_folder(args.model)
+    if not args.prompts.is_file():
+        raise SystemExit(f"vlens cache: no prompt file at {args.prompts}")
+    # Bad names and a store made with other settings are reported before the engine loads.
+    names = resolve_names(args.names, hook_specs(folder))
+    store = open_store(args.out, folder, names, args.dtype, args.max_new_tokens)
+    total = count_prompts(args.prompts)
+    print(f"{len(names)} names, {total} prompts, {store.stored_prompts} already in {args.out}")
+    if store.stored_prompts >= total:
+        return
+    model = HookedVLLM.from_pretrained(folder, dtype=args.dtype)
+    store = write_activations(
+        model,
+        read_prompts(args.prompts),
+        names,
+        args.out,
+        batch_size=args.batch_size,
+        shard_tokens=args.shard_tokens,
+        dtype=args.dtype,
+        max_new_tokens=args.max_new_tokens,
+        total=total,
+    )
+    shards = store.manifest["shards"] if store.manifest else []
+    rows = sum(shard["rows"] for shard in shards)
+    print(f"{store.stored_prompts} prompts, {rows} rows in {len(shards)} shards: {args.out}")
+
+
+def parity_command(args: argparse.Namespace) -> int:
+    from vlens.parity.__main__ import main as parity_main
+
+    return parity_main([*args.models, *(["--out", str(args.out)] if args.out else [])])
+
+
+def parser() -> argparse.ArgumentParser:
+    root = argparse.ArgumentParser(prog="vlens", description=__doc__)
+    commands = root.add_subparsers(dest="command")
+
     names = commands.add_parser("names", help="list a model's hook names with their shapes")
     names.add_argument("model", nargs="?", help="checkpoint folder or tiny model name")
     names.set_defaults(run=names_command)
-    lens = commands.add_parser("lens", help="logit lens of a prompt, as a table")
+
+    lens = commands.add_parser("lens", help="logit lens of a prompt, as a table (and a plot)")
     lens.add_argument("model", nargs="?", help="checkpoint folder (default: embedded SmolLM2)")
     lens.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
+    lens.add_argument("--plot", type=Path, metavar="FILE", help="also write a PNG heatmap here")
     lens.set_defaults(run=lens_command)
-    args = parser.parse_args(argv)
+
+    cache = commands.add_parser(
+        "cache", help="store activations of a prompt file, one row per token, as safetensors shards"
+    )
+    cache.add_argument("model", help="checkpoint folder or tiny model name")
+    cache.add_argument("--prompts", type=Path, required=True, metavar="FILE",
+                       help='one text per line, or .jsonl with a "text" or "tokens" field per line')
+    cache.add_argument("--names", nargs="+", required=True, metavar="PATTERN",
+                       help="hook names or globs, e.g. 'blocks.*.hook_resid_post'")
+    cache.add_argument("--out", type=Path, required=True, metavar="DIR",
+                       help="store folder; an interrupted run there resumes")
+    cache.add_argument("--batch-size", type=int, default=32, metavar="N",
+                       help="prompts per vLLM call (default: 32)")
+    cache.add_argument("--shard-tokens", type=int, default=65536, metavar="N",
+                       help="rows per shard at most, unless one prompt is longer (default: 65536)")
+    cache.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                       help="the engine's and the stored dtype (default: float32)")
+    cache.add_argument("--max-new-tokens", type=int, default=0, metavar="N",
+                       help="also store N-1 greedily generated positions per prompt (default: 0)")
+    cache.set_defaults(run=cache_command)
+
+    parity = commands.add_parser(
+        "parity", help="parity tables against HuggingFace and TransformerLens"
+    )
+    parity.add_argument("models", nargs="*", help="checkpoint folders or tiny model names "
+                        "(default: qwen3 llama)")
+    parity.add_argument("--out", type=Path, metavar="FILE", help="also write the report here")
+    parity.set_defaults(run=parity_command)
+    return root
+
+
+def main(argv: list[str] | None = None) -> int:
+    commands = parser()
+    args = commands.parse_args(argv)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     if args.command is None:
-        args = parser.parse_args(["lens"])
-    args.run(args)
+        args = commands.parse_args(["lens"])
+    try:
+        return args.run(args) or 0
+    except (StoreError, UnknownHookName) as error:  # what the user asked for: one line, no trace
+        raise SystemExit(f"vlens {args.command}: {error}") from None
 
 
 if __name__ == "__main__":

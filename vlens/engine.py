@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from vlens.process_groups import ensure_expert_group
+
 # Read by vLLM when the engine is built: the engine core runs in this process, so that user hook
 # functions and captured tensors need no serialisation on one device.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -40,6 +42,7 @@ class Engine:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         from vllm import LLM
 
+        ensure_expert_group()
         self.llm = LLM(model=model_path, **engine_args(user_args))
 
     def on_workers(self, method: str, *args: Any) -> list[Any]:

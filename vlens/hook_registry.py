@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from vlens.mapping import DerivedSpec, Spec
-from vlens.names import canonical
+from vlens.names import Explain, canonical
 from vlens.runtime.plan import HookFunction
 
 NameOrFilter = str | Callable[[str], bool]
@@ -25,8 +25,9 @@ class AddedHook:
 class HookRegistry:
     """Hook functions by canonical name, in the order they were added."""
 
-    def __init__(self, specs: dict[str, Spec]) -> None:
+    def __init__(self, specs: dict[str, Spec], explain: Explain | None = None) -> None:
         self.specs = specs
+        self.explain = explain
         self.added: list[AddedHook] = []
 
     def names(self, name_or_filter: NameOrFilter) -> list[str]:
@@ -36,7 +37,7 @@ class HookRegistry:
             if not names:
                 raise ValueError("the hook's name filter accepted none of this model's hook names")
         else:
-            names = [canonical(name_or_filter, self.specs)]
+            names = [canonical(name_or_filter, self.specs, explain=self.explain)]
         for name in names:
             if isinstance(self.specs[name], DerivedSpec):
                 feeds = ", ".join(self.site_sources(name))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
@@ -15,16 +15,20 @@ from jaxtyping import Float, Int
 from torch import Tensor
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
+from vlens.analysis import AnalysisWeights, WeightViews
 from vlens.cache import VLensCache, join_chunks, pad_batch
 from vlens.derived import Batch
 from vlens.engine import Engine
 from vlens.hook_registry import FwdHooks, HookRegistry, NameOrFilter
-from vlens.mapping import DerivedSpec, HookSpec, Site, Spec
+from vlens.mapping import ArchitectureMapping, DerivedSpec, HookSpec, Site, Spec
 from vlens.mappings import mapping_for
+from vlens.model_config import ModelConfig
 from vlens.names import NamesFilter, select_names
+from vlens.raw import RAW_NAME, prefill_only, raw_spec
 from vlens.runtime.hooks import HookError
 from vlens.runtime.layout import TAG_KEY
 from vlens.runtime.plan import HookFunction, NamePlan, RequestPlan
+from vlens.runtime.probe import ModuleRecord
 from vlens.runtime.worker import RequestCapture
 from vlens.weights import CheckpointWeights
 
@@ -33,37 +37,7 @@ LOGITS = "unembed.hook_out"
 _call_ids = itertools.count()
 
 
-@dataclass(frozen=True)
-class ModelConfig:
-    """The model's dimensions under TransformerLens's names (``model.cfg``)."""
-
-    n_layers: int
-    d_model: int
-    n_heads: int
-    n_key_value_heads: int
-    d_head: int
-    d_mlp: int
-    d_vocab: int
-    n_ctx: int
-    architecture: str
-
-    @classmethod
-    def from_hf(cls, config: PretrainedConfig) -> ModelConfig:
-        n_heads = config.num_attention_heads
-        return cls(
-            n_layers=config.num_hidden_layers,
-            d_model=config.hidden_size,
-            n_heads=n_heads,
-            n_key_value_heads=getattr(config, "num_key_value_heads", None) or n_heads,
-            d_head=getattr(config, "head_dim", None) or config.hidden_size // n_heads,
-            d_mlp=getattr(config, "intermediate_size", None) or 4 * config.hidden_size,
-            d_vocab=config.vocab_size,
-            n_ctx=config.max_position_embeddings,
-            architecture=config.architectures[0],
-        )
-
-
-class HookedVLLM:
+class HookedVLLM(WeightViews):
     """A vLLM engine that answers in TransformerLens hook names.
 
     Build it with :meth:`from_pretrained`; ``print(model)`` shows vLLM's module tree;
@@ -76,15 +50,18 @@ class HookedVLLM:
         path: Path,
         config: PretrainedConfig,
         tokenizer: PreTrainedTokenizerBase,
-        hook_specs: dict[str, Spec],
+        mapping: ArchitectureMapping,
     ) -> None:
         self.engine = engine
         self.weights = CheckpointWeights(path)
         self.hf_config = config
-        self.cfg = ModelConfig.from_hf(config)
+        self.hook_specs: dict[str, Spec] = mapping.expanded(config)
+        self.canonical_names = list(self.hook_specs)
+        self.cfg = ModelConfig.from_hf(config, mapping, list(self.hook_specs))
         self.tokenizer = tokenizer
-        self.hook_specs = hook_specs
-        self.registry = HookRegistry(hook_specs)
+        self.explain = mapping.unavailable
+        self.registry = HookRegistry(self.hook_specs, self.explain)
+        self.analysis = AnalysisWeights(self.weights, mapping.weights, config, self.cfg.n_heads)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, **engine_kwargs: Any) -> HookedVLLM:
@@ -92,14 +69,45 @@ class HookedVLLM:
         (``dtype``, ``max_model_len``, ...). vlens turns on eager mode and turns off prefix caching.
         """
         config = AutoConfig.from_pretrained(path)
-        hook_specs = mapping_for(config).expanded(config)
+        mapping = mapping_for(config)
         tokenizer = AutoTokenizer.from_pretrained(path)
-        return cls(Engine(str(path), **engine_kwargs), Path(path), config, tokenizer, hook_specs)
+        return cls(Engine(str(path), **engine_kwargs), Path(path), config, tokenizer, mapping)
 
     @property
     def hook_names(self) -> list[str]:
         """Every canonical hook name of this model, in forward order."""
-        return list(self.hook_specs)
+        return list(self.canonical_names)
+
+    @cached_property
+    def module_records(self) -> dict[str, ModuleRecord]:
+        """vLLM's module tree, path by path, with what each module did in one short generation
+        (a prefill and a decode step): the facts behind raw locations' errors."""
+        self.engine.on_workers("start_probe")
+        try:
+            self._run([self.token_lists("probe")[0]], [RequestPlan(0, {})], self._greedy(2))
+        finally:
+            records = self.engine.on_driver("finish_probe")
+        return records
+
+    def _admit_raw(self, names: object, decoding: bool = False) -> None:
+        """Make raw module locations among ``names`` (a name, or a list of names and
+        ``(name, hook)`` pairs) known, checking them against the module tree."""
+        if isinstance(names, str) or callable(names) or names is None:
+            names = [names]
+        for item in names:
+            name = item[0] if isinstance(item, tuple) else item
+            if not isinstance(name, str) or name in self.hook_specs or not RAW_NAME.fullmatch(name):
+                continue
+            if name.rsplit(".", 1)[0] in self.canonical_names:
+                continue
+            self.hook_specs[name] = raw_spec(name, self.module_records)
+        for name, spec in self.hook_specs.items():
+            if decoding and name not in self.canonical_names and isinstance(spec, HookSpec):
+                if prefill_only(spec.site.path, self.module_records):
+                    raise ValueError(
+                        f"{spec.site.path} runs at prefill only (vLLM folds it into another "
+                        f"kernel in decode steps): {name} has no value at generated positions"
+                    )
 
     def __repr__(self) -> str:
         return self.engine.on_driver("module_tree")
@@ -154,6 +162,7 @@ class HookedVLLM:
         tensor in place and return None; either reaches the model."""
         if dir != "fwd":
             raise ValueError("vLLM runs inference only: there are no backward hooks (dir='fwd')")
+        self._admit_raw(name)
         self.registry.add(name, hook, is_permanent)
 
     def reset_hooks(self, clear_contexts: bool = True, including_permanent: bool = False) -> None:
@@ -213,7 +222,9 @@ class HookedVLLM:
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, not {max_new_tokens}")
         prompts = self.token_lists(input)
-        names = [] if names_filter == [] else select_names(names_filter, self.hook_names)
+        self._admit_raw(names_filter, decoding=max_new_tokens > 1)
+        known = self.hook_names if names_filter is None or callable(names_filter) else self.hook_specs
+        names = [] if names_filter == [] else select_names(names_filter, list(known), self.explain)
         wanted = names + ([LOGITS] if return_type == "logits" and LOGITS not in names else [])
         kept = self._site_names(wanted)
         hooks = self.registry.resolve(())
@@ -261,6 +272,8 @@ class HookedVLLM:
         from vllm import SamplingParams
 
         prompts = self.token_lists(input)
+        for hooks in [fwd_hooks, *(prompt_hooks or [])]:
+            self._admit_raw(list(hooks), decoding=max_new_tokens > 1)
         if prompt_hooks is not None and len(prompt_hooks) != len(prompts):
             raise ValueError(f"prompt_hooks has {len(prompt_hooks)} entries for {len(prompts)} prompts")
         shared = self.registry.resolve(fwd_hooks)

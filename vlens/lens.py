@@ -6,14 +6,16 @@ both read from the checkpoint, exactly as the model treats its last layer's outp
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from jaxtyping import Float
 from torch import Tensor
 
 from vlens.hooked import HookedVLLM
-from vlens.mapping import rms
+from vlens.readers import rms
 from vlens.weights import CheckpointWeights
 
 
@@ -47,11 +49,50 @@ def format_lens(view: LensView, width: int = 10) -> str:
     """A plain-text table: one row per layer, one column per prompt position."""
 
     def cell(text: str) -> str:
-        shown = repr(text)[1:-1]
-        return shown[:width].ljust(width)
+        return _shown(text)[:width].ljust(width)
 
     header = "layer | " + " ".join(cell(token) for token in view.tokens)
     lines = [header, "-" * len(header)]
     for layer, row in enumerate(view.top_tokens):
         lines.append(f"{layer:>5} | " + " ".join(cell(token) for token in row))
     return "\n".join(lines)
+
+
+def require_matplotlib() -> None:
+    """Plots need matplotlib, which vlens does not install by itself."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ModuleNotFoundError(
+            "plotting the logit lens needs matplotlib: pip install matplotlib"
+        )
+
+
+def plot_lens(view: LensView, path: str | Path, title: str = "") -> None:
+    """A PNG heatmap: the top token's probability per layer (rows, the last at the top) and
+    position (columns), with the top token written in each cell."""
+    require_matplotlib()
+    from matplotlib.figure import Figure  # no pyplot: no global figure state, no GUI backend
+
+    probs = view.top_probs.float().numpy()
+    n_layers, n_positions = probs.shape
+    figure = Figure(figsize=(1.2 * n_positions + 2, 0.4 * n_layers + 1.5), layout="constrained")
+    axes = figure.add_subplot()
+    image = axes.imshow(probs, cmap="Blues", vmin=0, vmax=1, aspect="auto", origin="lower")
+    for layer, row in enumerate(view.top_tokens):
+        for position, token in enumerate(row):
+            color = "white" if probs[layer, position] > 0.6 else "black"
+            label = _shown(token) if token.strip() else repr(token)  # a blank cell is no answer
+            axes.text(
+                position, layer, label[:12], ha="center", va="center", fontsize=7, color=color
+            )
+    axes.set_xticks(range(n_positions), [_shown(token) for token in view.tokens], rotation=45)
+    axes.set_yticks(range(n_layers))
+    axes.set_xlabel("position (input token)")
+    axes.set_ylabel("layer")
+    axes.set_title(title)
+    figure.colorbar(image, ax=axes, label="top-token probability")
+    figure.savefig(path, dpi=120)
+
+
+def _shown(token: str) -> str:
+    """A token as one visible line: spaces kept, newlines and tabs escaped."""
+    return repr(token)[1:-1]

@@ -21,6 +21,7 @@ import torch
 
 from vlens import derived, readers
 from vlens.readers import Reader
+from vlens.weights import WeightNames
 
 Event = Literal["input", "output"]
 
@@ -46,6 +47,8 @@ class SiteCall(Protocol):
     def model(self) -> torch.nn.Module: ...
 
     def argument(self, index: int, name: str) -> Any: ...
+
+    def raw_argument(self, index: int, keyword: str | None) -> Any: ...
 
     def output(self, element: int | None) -> Any: ...
 
@@ -152,6 +155,20 @@ def heads_first(of: HookSpec, heads: str = "head") -> HookSpec:
     return dataclasses.replace(of, shape=f"{heads} pos d_head", arrange="b p h d -> b h p d")
 
 
+def layer_norm_scale(of: HookSpec, eps: float) -> HookSpec:
+    return HookSpec(of.site, readers.LayerNormScale(of.read, eps), "pos 1")
+
+
+def layer_norm_normalized(of: HookSpec, eps: float) -> HookSpec:
+    return HookSpec(of.site, readers.LayerNormNormalized(of.read, eps), of.shape)
+
+
+def conv1d_head_results(z: str, *w_o: str) -> DerivedSpec:
+    """:func:`head_results` where the checkpoint stores the output projection as a Conv1D
+    (``[H·d_head, d_model]``, GPT-2); ``w_o``: its possible names, the first one present is used."""
+    return DerivedSpec((z,), derived.Conv1DHeadResults(w_o), "pos head d_model")
+
+
 # ---- one architecture's mapping -----------------------------------------------------------------
 
 
@@ -164,6 +181,12 @@ class ArchitectureMapping:
 
     architectures: tuple[str, ...]
     hook_specs: Callable[[Any], dict[str, Spec]]
+    #: The checkpoint's weights behind TransformerLens's analysis views; None where they do not
+    #: apply (the analysis methods then say so).
+    weights: WeightNames | None = dataclasses.field(default=None, kw_only=True)
+    #: Why a name that looks plausible can never be given (e.g. one routed expert of a fused MoE
+    #: kernel); None for names the architecture has nothing to say about.
+    unavailable: Callable[[str], str | None] | None = dataclasses.field(default=None, kw_only=True)
 
     def expanded(self, config: Any) -> dict[str, Spec]:
         return expand_layers(self.hook_specs(config), config.num_hidden_layers)
@@ -184,3 +207,59 @@ def expand_layers(specs: dict[str, Spec], n_layers: int) -> dict[str, Spec]:
 
 def _after_blocks(name: str) -> bool:
     return name.startswith(("ln_final.", "unembed."))
+
+
+# ---- multi-head latent attention and mixtures of experts (DeepSeek) -----------------------------
+
+
+def squeezed(of: HookSpec, axis: int, shape: str) -> HookSpec:
+    """``of`` without its size-1 ``axis``."""
+    return HookSpec(of.site, readers.Squeezed(of.read, axis), shape)
+
+
+def latent_keys(kv_latent: str, k_pe: str, kv_b_proj: str, heads: int, d_nope: int) -> DerivedSpec:
+    """MLA's per-head keys ``[k_nope | k_pe]`` from the kv latent and the rope part of k;
+    ``kv_b_proj`` is the checkpoint's name of the latent's up-projection."""
+    compute = derived.LatentKeys(kv_b_proj, heads, d_nope)
+    return DerivedSpec((kv_latent, k_pe), compute, "pos head qk_head_dim")
+
+
+def latent_values(kv_latent: str, kv_b_proj: str, heads: int, d_nope: int) -> DerivedSpec:
+    """MLA's per-head values from the kv latent (see :func:`latent_keys`)."""
+    compute = derived.LatentValues(kv_b_proj, heads, d_nope)
+    return DerivedSpec((kv_latent,), compute, "pos head v_head_dim")
+
+
+def expert_weights(router_logits: str, router: derived.GroupedTopK) -> DerivedSpec:
+    return DerivedSpec((router_logits,), derived.ExpertWeights(router), "pos top_k")
+
+
+def expert_indices(router_logits: str, router: derived.GroupedTopK) -> DerivedSpec:
+    return DerivedSpec((router_logits,), derived.ExpertIndices(router), "pos top_k")
+
+
+def difference(whole: str, part: str, shape: str = "pos d_model") -> DerivedSpec:
+    """``whole − part``: the other term of a sum whose total and one term vLLM exposes."""
+    return DerivedSpec((whole, part), derived.Difference(), shape)
+
+
+@dataclass(frozen=True)
+class UnevenLayersMapping(ArchitectureMapping):
+    """An architecture whose layers are not all alike (DeepSeek: a dense MLP below
+    ``first_k_dense_replace``, a mixture of experts from there on): ``present(config, template,
+    layer)`` says whether the ``{layer}`` name ``template`` exists at ``layer``."""
+
+    present: Callable[[Any, str, int], bool]
+
+    def expanded(self, config: Any) -> dict[str, Spec]:
+        specs = self.hook_specs(config)
+        n_layers = config.num_hidden_layers
+        absent = {
+            template.format(layer=layer)
+            for template in specs
+            if "{layer}" in template
+            for layer in range(n_layers)
+            if not self.present(config, template, layer)
+        }
+        expanded = expand_layers(specs, n_layers)
+        return {name: spec for name, spec in expanded.items() if name not in absent}

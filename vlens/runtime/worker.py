@@ -16,12 +16,15 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from vlens.mapping import Site
 from vlens.runtime.hooks import HookError, run_hooks
-from vlens.runtime.layout import Followed, RequestRows, read_step_layout
+from vlens.runtime.layout import Followed, RequestRows, follow_steps
+from vlens.runtime.patches import apply_cpu_patches
 from vlens.runtime.plan import RequestPlan
+from vlens.runtime.probe import ModuleProbe, ModuleRecord
 from vlens.runtime.sites import NarrowedCall, install_site, read_rows
 
 
@@ -54,20 +57,14 @@ class WorkerRuntime:
         self.handles: dict[Site, Any] = {}
         self.followed: dict[str, Followed] = {}
         self.layout: list[RequestRows] | None = None
+        self.probe: ModuleProbe | None = None
         self._wrap_model_forward()
+        apply_cpu_patches(self.model)
 
     def _wrap_model_forward(self) -> None:
-        """Read the step's row layout right before each real forward (not warm-up dummies)."""
-        forward = self.runner._model_forward
-
-        def model_forward(*args: Any, **kwargs: Any) -> Any:
-            self.layout = read_step_layout(self.runner, self.followed) if self.wanted else None
-            try:
-                return forward(*args, **kwargs)
-            finally:
-                self.layout = None
-
-        self.runner._model_forward = model_forward
+        """Read the step's row layout right before each real forward (not warm-up dummies), from
+        the V1 or the V2 model runner (see :mod:`vlens.runtime.layout`)."""
+        follow_steps(self.runner, self)
 
     # ---- called from the user's process ------------------------------------------------------
 
@@ -82,7 +79,7 @@ class WorkerRuntime:
 
     def finish(self, tags: list[str]) -> dict[str, RequestCapture]:
         """Hand back and forget what these requests captured; drop sites nobody needs now."""
-        done = {tag: self.captures.pop(tag) for tag in tags}
+        done = on_host({tag: self.captures.pop(tag) for tag in tags})
         for tag in tags:
             self.wanted.pop(tag, None)
         still_needed = {site for plan in self.wanted.values() for site in plan.sites}
@@ -95,6 +92,16 @@ class WorkerRuntime:
 
     def module_tree(self) -> str:
         return repr(self.model)
+
+    def start_probe(self) -> None:
+        """Watch which modules run during the next call (see :mod:`vlens.runtime.probe`)."""
+        self.probe = ModuleProbe(self.model)
+        self.probe.start(lambda: self.layout)
+
+    def finish_probe(self) -> dict[str, ModuleRecord]:
+        records = self.probe.stop()
+        self.probe = None
+        return records
 
     def clear_contexts(self) -> None:
         """Forget every ``hook.ctx`` (TransformerLens's ``reset_hooks(clear_contexts=True)``)."""
@@ -129,6 +136,38 @@ class WorkerRuntime:
                         break
 
         return on_call
+
+
+def on_host(captures: dict[str, RequestCapture]) -> dict[str, RequestCapture]:
+    """``captures`` as handed back to the user's process: each name's chunks joined wherever
+    their positions run on (a gap, e.g. a prefix-cache hit, stays a gap for the user's side to
+    report), and on the CPU.
+
+    The user's process assembles caches and derives names with checkpoint weights read from disk
+    (CPU tensors), and under tensor parallelism receives the values from another process; on
+    CUDA, vLLM has claimed most of the GPU's memory for its KV cache. One copy per run of
+    positions, not one per engine step, and one synchronisation for all of them.
+    """
+    from_cuda = False
+    for capture in captures.values():
+        for name, chunks in capture.chunks.items():
+            runs: list[list[Chunk]] = []
+            end = None  # the position after the last chunk's rows
+            for chunk in sorted(chunks, key=lambda chunk: chunk.first_position):
+                if chunk.first_position == end:
+                    runs[-1].append(chunk)
+                else:
+                    runs.append([chunk])
+                end = chunk.first_position + len(chunk.value)
+            joined = []
+            for run in runs:
+                value = run[0].value if len(run) == 1 else torch.cat([c.value for c in run])
+                from_cuda |= value.is_cuda
+                joined.append(Chunk(run[0].first_position, value.to("cpu", non_blocking=True)))
+            capture.chunks[name] = joined
+    if from_cuda:
+        torch.cuda.synchronize()
+    return captures
 
 
 def runtime_of(worker: Any) -> WorkerRuntime:

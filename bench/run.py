@@ -1,0 +1,486 @@
+"""Issue 8: what vlens costs against plain vLLM, measured side by side in ONE run.
+
+    python bench/run.py --preset gpu --out OUT_DIR     # H200: Qwen3-8B shape, dummy bf16 weights
+    python bench/run.py --preset cpu --out OUT_DIR     # this CPU: SmolLM2-135M, fp32
+
+One run measures, in this order, each in its own process (an engine's memory is only ever given
+back whole), the same prompts (random token ids, distinct, so no prefix is shared) and greedy
+decoding:
+
+- ``eager``: ONE vlens engine (``HookedVLLM``: eager, prefix caching off). *plain* is that
+  engine's ``vllm.LLM.generate`` with no vlens request (no site installed: what plain eager vLLM
+  costs); *cache_1* is ``run_with_cache`` of one layer's ``hook_resid_post``; *cache_all* of every
+  layer's; *steer* is ``generate`` with one vector added at one layer's ``hook_resid_post`` (every
+  prompt, every step). Workloads alternate, ``--reps`` times each; the best time counts.
+- ``compiled``: plain ``vllm.LLM`` in vLLM's default mode (torch.compile + CUDA graphs on GPU),
+  prefix caching off, in-process like vlens.
+- ``hf``: HuggingFace transformers with forward hooks, prefill only (batches of ``hf_batch``):
+  no hook, one layer's residual cloned, every layer's.
+
+Two tiers: *prefill* (each prompt once, one token sampled; tokens/s = prompt tokens) and
+*generate* (``new_tokens`` per prompt; tokens/s = generated tokens). Every ratio is against
+plain eager vLLM of the same tier from the same engine, and written with the exact command to
+``OUT_DIR/results.json`` and ``OUT_DIR/results.md``. ``--profile`` adds cProfile listings of the
+vlens workloads (shorter generations) to ``OUT_DIR/profile.txt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import datetime
+import io
+import json
+import os
+import pstats
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "gpu": {
+        "model": "dummy-qwen3-8b",
+        "dtype": "bfloat16",
+        "prompts": 256,
+        "prompt_len": 128,
+        "new_tokens": 128,
+        "layer": 18,
+        "hf_batch": 32,
+        "profile_new_tokens": 32,
+        "engine": {
+            "load_format": "dummy",
+            "skip_tokenizer_init": True,
+            "max_model_len": 1024,
+            "max_num_seqs": 256,
+            # fixed, so that every engine gets the same KV cache and vlens's captures have room
+            "kv_cache_memory_bytes": 24 << 30,
+            "gpu_memory_utilization": 0.5,
+        },
+    },
+    "cpu": {
+        "model": "smollm2",
+        "dtype": "float32",
+        "prompts": 32,
+        "prompt_len": 16,
+        "new_tokens": 32,
+        "layer": 15,
+        "hf_batch": 8,
+        "profile_new_tokens": 8,
+        "engine": {"max_model_len": 512},
+    },
+    # a seconds-long check of this script itself (tiny random Qwen3), not a measurement
+    "smoke": {
+        "model": "tiny-qwen3",
+        "dtype": "float32",
+        "prompts": 4,
+        "prompt_len": 8,
+        "new_tokens": 4,
+        "layer": 1,
+        "hf_batch": 2,
+        "profile_new_tokens": 2,
+        "engine": {"max_model_len": 256},
+    },
+}
+
+#: Qwen3-8B's shape (its config.json, weights left to vLLM's dummy loader).
+QWEN3_8B = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "rope_scaling": None,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "initializer_range": 0.02,
+}
+
+
+def model_folder(preset: dict[str, Any], work: Path) -> Path:
+    """The checkpoint folder: SmolLM2 (CPU), or a Qwen3-8B-shaped config with the tiny qwen3
+    checkpoint's tokenizer (vlens loads a tokenizer; vLLM skips it and gets token ids)."""
+    from vlens.testing import tiny_model
+
+    if preset["model"] == "smollm2":
+        from vlens.embedded import smollm2_path
+
+        return smollm2_path()
+    if preset["model"] == "tiny-qwen3":
+        return tiny_model("qwen3")
+
+    folder = work / "qwen3-8b-shape"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(QWEN3_8B, indent=1))
+    for file in tiny_model("qwen3").iterdir():
+        if file.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(file, folder / file.name)
+    return folder
+
+
+def prompts_for(preset: dict[str, Any], vocab: int) -> list[list[int]]:
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(100, min(vocab, 100_000), (preset["prompts"], preset["prompt_len"]),
+                        generator=generator)
+    return ids.tolist()
+
+
+class Timer:
+    """Times workloads and saves every result as soon as it is measured (a worker that runs
+    out of time still leaves what it measured)."""
+
+    def __init__(self, save_to: Path, reps: int) -> None:
+        self.save_to = save_to
+        self.reps = reps
+        self.results: list[dict[str, Any]] = []
+        self.meta: dict[str, Any] = {}
+
+    def save(self) -> None:
+        self.save_to.write_text(json.dumps({"meta": self.meta, "results": self.results}))
+
+    def measure(self, workload: str, tier: str, run, **extra: Any) -> int | None:
+        import torch
+
+        try:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            tokens = run()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            seconds = time.perf_counter() - start
+        except Exception as error:  # noqa: BLE001 - e.g. out of memory: recorded, the rest runs
+            print(f"[bench] {workload} {tier} failed: {error!r}", flush=True)
+            self.results.append({"workload": workload, "tier": tier, "error": repr(error)})
+            self.save()
+            return None
+        self.results.append(
+            {"workload": workload, "tier": tier, "tokens": tokens, "seconds": seconds, **extra}
+        )
+        self.save()
+        print(f"[bench] {workload:18s} {tier:8s} {tokens:7d} tok {seconds:8.3f} s "
+              f"{tokens / seconds:10.1f} tok/s", flush=True)
+        return tokens
+
+
+# ---- workers (one process each) ----------------------------------------------------------------
+
+
+def worker_eager(preset: dict[str, Any], path: Path, timer: Timer, profile: Path | None) -> None:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from vlens import HookedVLLM
+
+    model = HookedVLLM.from_pretrained(path, dtype=preset["dtype"], **preset["engine"])
+    llm = model.engine.llm
+    from vlens.runtime.layout import runner_kind
+
+    runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+    timer.meta["runner"] = f"{runner_kind(runner).upper()} ({type(runner).__module__})"
+    prompts = prompts_for(preset, model.cfg.d_vocab)
+    n_prompt = sum(len(p) for p in prompts)
+    new = preset["new_tokens"]
+    layer = preset["layer"]
+    one = f"blocks.{layer}.hook_resid_post"
+    every = [f"blocks.{i}.hook_resid_post" for i in range(model.cfg.n_layers)]
+    import torch
+
+    vector = torch.randn(model.cfg.d_model, generator=torch.Generator().manual_seed(1))
+    on_device: dict[str, torch.Tensor] = {}
+
+    def steer(x, hook):
+        key = f"{x.device}{x.dtype}"
+        if key not in on_device:
+            on_device[key] = vector.to(x.device, x.dtype)
+        return x + on_device[key]
+
+    def plain(max_tokens: int, ignore_eos: bool) -> int:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                               use_tqdm=False)
+        return sum(len(o.outputs[0].token_ids) for o in outputs)
+
+    def cache(names: list[str], max_new: int) -> int:
+        _, c = model.run_with_cache(prompts, names_filter=names, return_type=None,
+                                    max_new_tokens=max_new)
+        return int(c.lengths.sum()) - n_prompt + len(prompts) if max_new else n_prompt
+
+    def steered(max_new: int) -> int:
+        out = model.generate(prompts, max_new_tokens=max_new, do_sample=False, stop_at_eos=False,
+                             fwd_hooks=[(one, steer)], return_type="tokens")
+        return sum(len(o) for o in out) - n_prompt
+
+    # warm-up: kernels, the hook path, the sampler
+    few = prompts[:8]
+    llm.generate([TokensPrompt(prompt_token_ids=p) for p in few],
+                 SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+    model.run_with_cache(few, names_filter=[one], return_type=None, max_new_tokens=2)
+    model.generate(few, max_new_tokens=2, do_sample=False, fwd_hooks=[(one, steer)])
+
+    full = True
+    for rep in range(timer.reps):
+        timer.measure("plain", "prefill", lambda: (plain(1, True), n_prompt)[1], rep=rep)
+        timer.measure("cache_1", "prefill", lambda: cache([one], 0), rep=rep)
+        timer.measure("cache_all", "prefill", lambda: cache(every, 0), rep=rep)
+        got = timer.measure("plain", "generate", lambda: plain(new, False), rep=rep)
+        full = got is None or got == new * len(prompts)
+        if not full:  # EOS met: steering runs with ignore_eos, so measure plain that way too
+            timer.measure("plain_ignore_eos", "generate", lambda: plain(new, True), rep=rep)
+        timer.measure("cache_1", "generate", lambda: cache([one], new), rep=rep)
+        timer.measure("steer", "generate", lambda: steered(new), rep=rep)
+    timer.measure("plain", "generate", lambda: plain(new, False), rep=timer.reps)
+
+    if profile is not None:
+        short = preset["profile_new_tokens"]
+        with profile.open("a") as out:
+            for label, run in (
+                ("plain generate", lambda: plain(short, False)),
+                ("cache_1 generate", lambda: cache([one], short)),
+                ("steer generate", lambda: steered(short)),
+            ):
+                profiler = cProfile.Profile()
+                start = time.perf_counter()
+                profiler.runcall(run)
+                seconds = time.perf_counter() - start
+                text = io.StringIO()
+                stats = pstats.Stats(profiler, stream=text)
+                stats.sort_stats("tottime").print_stats(25)
+                stats.sort_stats("cumulative").print_stats(40)
+                out.write(f"\n===== {label}: {len(prompts)} prompts x {short} new tokens, "
+                          f"{seconds:.2f} s under cProfile =====\n{text.getvalue()}")
+    # last: the heaviest (every layer, every step), so that running out of time loses only it
+    timer.measure("cache_all", "generate", lambda: cache(every, new), rep=0)
+
+
+def worker_compiled(preset: dict[str, Any], path: Path, timer: Timer) -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine = {k: v for k, v in preset["engine"].items()}
+    llm = LLM(model=str(path), dtype=preset["dtype"], enforce_eager=False,
+              enable_prefix_caching=False, **engine)
+    from transformers import AutoConfig
+
+    prompts = prompts_for(preset, AutoConfig.from_pretrained(path).vocab_size)
+    inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+    n_prompt = sum(len(p) for p in prompts)
+
+    def plain(max_tokens: int, ignore_eos: bool) -> int:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
+        outputs = llm.generate(inputs, params, use_tqdm=False)
+        return sum(len(o.outputs[0].token_ids) for o in outputs)
+
+    plain(4, False)
+    for rep in range(timer.reps):
+        timer.measure("compiled", "prefill", lambda: (plain(1, True), n_prompt)[1], rep=rep)
+        timer.measure("compiled", "generate", lambda: plain(preset["new_tokens"], False), rep=rep)
+
+
+def worker_hf(preset: dict[str, Any], path: Path, timer: Timer) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dtype = getattr(torch, preset["dtype"])
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if preset["model"] != "dummy-qwen3-8b":
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    else:
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
+    model.eval()
+    layers = model.model.layers
+    prompts = torch.tensor(prompts_for(preset, model.config.vocab_size), device=device)
+    batch = preset["hf_batch"]
+    kept: list[torch.Tensor] = []
+
+    def keep(_module, _args, output):
+        value = output[0] if isinstance(output, tuple) else output
+        kept.append(value.detach().clone().to("cpu", non_blocking=True))
+
+    @torch.no_grad()
+    def run(hooked: list[int]) -> int:
+        handles = [layers[i].register_forward_hook(keep) for i in hooked]
+        try:
+            for start in range(0, len(prompts), batch):
+                model(prompts[start : start + batch], logits_to_keep=1)
+            if device == "cuda":
+                torch.cuda.synchronize()
+        finally:
+            for handle in handles:
+                handle.remove()
+            kept.clear()
+        return prompts.numel()
+
+    run([preset["layer"]])
+    for rep in range(timer.reps):
+        timer.measure("hf", "prefill", lambda: run([]), rep=rep)
+        timer.measure("hf_cache_1", "prefill", lambda: run([preset["layer"]]), rep=rep)
+        timer.measure("hf_cache_all", "prefill", lambda: run(list(range(len(layers)))), rep=rep)
+
+
+# ---- the orchestrating process -----------------------------------------------------------------
+
+WORKERS = ("eager", "compiled", "hf")
+
+
+#: Seconds each worker may take (``--timeouts`` overrides), so that one run ends in time.
+TIMEOUTS = {"eager": 300, "compiled": 150, "hf": 80}
+
+
+def run_worker(name: str, args: argparse.Namespace, path: Path) -> dict[str, Any]:
+    result = args.work / f"{name}.json"
+    result.unlink(missing_ok=True)
+    command = [sys.executable, __file__, "--worker", name, "--preset", args.preset, "--out",
+               str(args.out), "--work", str(args.work), "--model-path", str(path), "--reps",
+               str(args.reps)]
+    if args.profile:
+        command.append("--profile")
+    env = dict(os.environ)
+    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    print(f"[bench] worker {name}: {' '.join(command)}", flush=True)
+    start = time.time()
+    try:
+        code = subprocess.call(command, env=env, timeout=args.timeouts[name])
+    except subprocess.TimeoutExpired:
+        code = "timeout"
+    print(f"[bench] worker {name} exit {code} after {time.time() - start:.0f} s", flush=True)
+    return json.loads(result.read_text()) if result.exists() else {"meta": {}, "results": []}
+
+
+def summarise(results: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+    """The best time of each (workload, tier), with its tokens/s."""
+    best: dict[tuple[str, str], dict[str, Any]] = {}
+    for r in results:
+        if "error" in r:
+            continue
+        key = (r["workload"], r["tier"])
+        rate = r["tokens"] / r["seconds"]
+        if key not in best or rate > best[key]["tok_s"]:
+            best[key] = {**r, "tok_s": rate}
+    return best
+
+
+LABELS = {
+    "plain": "plain vLLM, eager (vlens's engine, no vlens request)",
+    "plain_ignore_eos": "plain vLLM, eager, ignore_eos",
+    "cache_1": "vlens run_with_cache, one layer's resid_post",
+    "cache_all": "vlens run_with_cache, every layer's resid_post",
+    "steer": "vlens generate, one steering vector at one layer",
+    "compiled": "plain vLLM, default mode (compiled + CUDA graphs on GPU)",
+    "hf": "HuggingFace forward, no hook",
+    "hf_cache_1": "HuggingFace forward, hook cloning one layer's residual",
+    "hf_cache_all": "HuggingFace forward, hooks cloning every layer's residual",
+}
+
+
+def markdown(meta: dict[str, Any], best: dict[tuple[str, str], dict[str, Any]]) -> str:
+    lines = [
+        f"Run on {meta['date']}: {meta['device']}, vLLM {meta['vllm']}, torch {meta['torch']}, "
+        f"model runner {meta['runner']}; {meta['model']} ({meta['dtype']}), {meta['prompts']} "
+        f"prompts x {meta['prompt_len']} tokens, {meta['new_tokens']} new tokens, greedy; "
+        f"layer {meta['layer']}; best of {meta['reps']}.",
+        "",
+        f"Command: `{meta['command']}`",
+        "",
+        "| tier | workload | tokens | seconds | tokens/s | ratio to plain eager |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for tier in ("prefill", "generate"):
+        base = best.get(("plain", tier))
+        for (workload, t), r in best.items():
+            if t != tier:
+                continue
+            ratio = f"{r['tok_s'] / base['tok_s']:.3f}" if base else "-"
+            lines.append(f"| {tier} | {LABELS.get(workload, workload)} | {r['tokens']} | "
+                         f"{r['seconds']:.3f} | {r['tok_s']:,.0f} | {ratio} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="gpu")
+    parser.add_argument("--out", type=Path, default=Path("bench/out"))
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--skip", default="", help="comma-separated workers to leave out: "
+                        + ", ".join(WORKERS))
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/vlens-bench"),
+                        help="scratch folder (the dummy checkpoint, workers' results)")
+    parser.add_argument("--timeouts", default="",
+                        help="per-worker seconds, e.g. eager=300,compiled=150 (defaults: "
+                        + ", ".join(f"{k}={v}" for k, v in TIMEOUTS.items()) + ")")
+    parser.add_argument("--worker", choices=WORKERS, help=argparse.SUPPRESS)
+    parser.add_argument("--model-path", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    preset = PRESETS[args.preset]
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.work.mkdir(parents=True, exist_ok=True)
+    args.timeouts = {**TIMEOUTS, **{k: int(v) for k, v in
+                                    (item.split("=") for item in args.timeouts.split(",") if item)}}
+
+    if args.worker:
+        timer = Timer(args.work / f"{args.worker}.json", args.reps)
+        if args.worker == "eager":
+            profile = args.out / "profile.txt" if args.profile else None
+            worker_eager(preset, args.model_path, timer, profile)
+        elif args.worker == "compiled":
+            worker_compiled(preset, args.model_path, timer)
+        else:
+            worker_hf(preset, args.model_path, timer)
+        timer.save()
+        sys.stdout.flush()
+        os._exit(0)  # skip engine teardown: the numbers are saved
+
+    import torch
+    import vllm
+
+    path = model_folder(preset, args.work / "model")
+    (args.out / "profile.txt").unlink(missing_ok=True)
+    skip = {s for s in args.skip.split(",") if s}
+    results: list[dict[str, Any]] = []
+    runner = "?"
+    for name in WORKERS:
+        if name not in skip:
+            got = run_worker(name, args, path)
+            results += got["results"]
+            runner = got["meta"].get("runner", runner)
+    meta = {
+        "date": str(datetime.date.today()),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU",
+        "vllm": vllm.__version__,
+        "torch": torch.__version__,
+        "runner": runner,
+        "reps": args.reps,
+        "command": " ".join(["python", "bench/run.py", *(argv if argv is not None else sys.argv[1:])]),
+        **{k: v for k, v in preset.items() if k != "engine"},
+        "engine": preset["engine"],
+    }
+    best = summarise(results)
+    (args.out / "results.json").write_text(json.dumps({"meta": meta, "results": results},
+                                                      indent=1))
+    text = markdown(meta, best)
+    (args.out / "results.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,275 @@
+"""DeepSeek-V2 and -V3 (``DeepseekV2ForCausalLM``, ``DeepseekV3ForCausalLM``) as vLLM builds them:
+multi-head latent attention (MLA) and a mixture of experts (MoE), in TransformerLens names.
+
+The decoder layer is Llama's (same fused residual and norms, see ``llama.py``); attention and MLP
+differ. Attention (``model.layers.{layer}.self_attn``; the same modules also appear under
+``self_attn.mla_attn``, vLLM's MLA wrapper, which is what runs them)::
+
+    V3 (q_lora_rank set):
+        q_a, kv_a = fused_qkv_a_proj(hidden)[0].split(...)   # q_lora_rank | kv_lora_rank + d_rope
+        q = q_b_proj(q_a_layernorm(q_a))[0]                  # attn.hook_q_latent: q_b_proj's input
+    V2 (q_lora_rank None):
+        kv_a = kv_a_proj_with_mqa(hidden)[0]; q = q_proj(hidden)[0]
+    kv_c, k_pe = kv_a.split([kv_lora_rank, d_rope])          # attn.hook_k_pe = k_pe
+    kv_latent = kv_a_layernorm(kv_c)                         # attn.hook_kv_latent
+    q = q.view(pos, H, d_nope + d_rope)                      # attn.hook_q
+    q[..., d_nope:], k_pe = rotary_emb(positions, q[..., d_nope:], k_pe)  # q rotated in place
+    z = mla_attn.mla_attn(q, kv_latent, k_pe)                # attn.hook_rot_q, attn.hook_rot_k_pe
+    hidden = o_proj(z)[0]                                    # attn.hook_z = o_proj's input
+
+Per-head keys and values never exist in decode: vLLM's decode kernel absorbs ``kv_b_proj`` into
+the query and attends over the latent (``kv_b_proj`` runs as a module on prefill only). So
+``hook_k``, ``hook_rot_k`` and ``hook_v`` are rebuilt in the user's process from the captured
+latent and rope part with ``kv_b_proj``'s weight read from the checkpoint (vLLM's CPU backend
+repacks the engine's copy), identically on prefill and decode; scores and patterns from
+``hook_rot_q`` and ``hook_rot_k`` with the model's softmax scale.
+
+MLA names (``H`` heads; ``qk_head_dim = d_nope + d_rope``; rope channels keep the checkpoint's
+interleaved-pair order, as vLLM rotates them, also where HuggingFace's V3 code de-interleaves):
+
+- ``attn.hook_q_latent`` ``[pos, q_lora_rank]``: V3 only, compressed q after ``q_a_layernorm``;
+- ``attn.hook_q`` ``[pos, H, qk_head_dim]``: per-head query ``[q_nope | q_pe]``, before rotary;
+- ``attn.hook_kv_latent`` ``[pos, kv_lora_rank]``: compressed kv after ``kv_a_layernorm`` (what
+  the KV cache holds);
+- ``attn.hook_k_pe`` ``[pos, d_rope]``: rope part of the key, one for all heads, before rotary;
+- ``attn.hook_rot_q`` ``[pos, H, qk_head_dim]``: the query entering attention (``q_pe`` rotated);
+- ``attn.hook_rot_k_pe`` ``[pos, d_rope]``: rope part of the key after rotary (cached too);
+- ``attn.hook_k`` ``[pos, H, qk_head_dim]``: per-head key ``[W_UK·latent | k_pe]``, before
+  rotary (rebuilt);
+- ``attn.hook_rot_k`` ``[pos, H, qk_head_dim]``: the key entering attention, ``k_pe`` rotated
+  (rebuilt);
+- ``attn.hook_v`` ``[pos, H, v_head_dim]``: per-head value ``W_UV·latent`` (rebuilt);
+- ``attn.hook_attn_scores`` / ``hook_pattern`` ``[H, query_pos, key_pos]``: ``rot_q·rot_k`` times
+  the softmax scale, causally masked, and its softmax (rebuilt);
+- ``attn.hook_z`` ``[pos, H, v_head_dim]``: per-head attention output, ``o_proj``'s input;
+- ``attn.hook_result`` ``[pos, H, d_model]``: per-head output after ``o_proj`` (checkpoint weight).
+
+TransformerLens's per-head input copies (``hook_attn_in``, ``hook_q/k/v_input``) are not offered:
+MLA's keys and values come from one shared latent, not from per-head projections of the input.
+
+MLP: layers below ``first_k_dense_replace`` have Llama's gated MLP (``mlp.hook_pre`` = gate,
+``hook_pre_linear`` = up, ``hook_post``); the others a MoE block (``model.layers.{layer}.mlp``)::
+
+    router_logits, _ = gate(hidden)          # mlp.hook_router_logits [pos, n_routed_experts]
+    shared = shared_experts(hidden)          # mlp.hook_shared_out [pos, d_model]
+    routed = experts(...)                    # one fused kernel: routing, every expert, the
+                                             #   weighted sum and routed_scaling_factor
+    return shared + routed                   # hook_mlp_out; mlp.hook_routed_out = routed
+
+``mlp.hook_expert_weights`` / ``mlp.hook_expert_indices`` (``[pos, top_k]``) are the routing
+vLLM applies, recomputed from the router logits by its formula (``vlens.derived.GroupedTopK``:
+softmax or sigmoid scores, ``e_score_correction_bias`` for selection only, group-limited top-k,
+``norm_topk_prob``, ``routed_scaling_factor``), best selection score first, so that
+``mlp_out = shared_out + Σ_k expert_weights[k] · expert[expert_indices[k]](x)``. A single routed
+expert's activations do not exist in vLLM: see :func:`routed_expert_error`.
+
+In float16 vLLM divides DeepSeek's residual stream by ``routed_scaling_factor`` to avoid overflow;
+the residual-stream names then carry that factor. fp32 and bf16 are unaffected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+from transformers import PretrainedConfig
+
+from vlens.derived import GroupedTopK
+from vlens.mapping import (
+    Argument,
+    HookSpec,
+    Spec,
+    UnevenLayersMapping,
+    attention_pattern,
+    attention_scores,
+    columns,
+    difference,
+    entering,
+    expert_indices,
+    expert_weights,
+    head_results,
+    latent_keys,
+    latent_values,
+    leaving,
+    logits,
+    per_head,
+    rms_normalized,
+    rms_scale,
+    squeezed,
+)
+from vlens.mappings.llama import ATTN, BLOCK, LAYER, MLP
+
+MLA = f"{ATTN}.mla_attn.mla_attn"
+CHECKPOINT_ATTN = "model.layers.{layer}.self_attn"
+
+DENSE_MLP_NAMES = tuple(f"{BLOCK}.mlp.hook_{n}" for n in ("pre", "pre_linear", "post"))
+MOE_NAMES = tuple(
+    f"{BLOCK}.mlp.hook_{n}"
+    for n in ("router_logits", "expert_weights", "expert_indices", "shared_out", "routed_out")
+)
+
+
+def per_head_as(of: HookSpec, d_head: int, shape: str) -> HookSpec:
+    """``[pos, heads·d_head]`` viewed per head, with MLA's own words for the head size."""
+    return dataclasses.replace(per_head(of, d_head), shape=shape)
+
+
+def is_moe_layer(config: PretrainedConfig, layer: int) -> bool:
+    """vLLM's rule (``DeepseekV2DecoderLayer``): experts from ``first_k_dense_replace`` on, every
+    ``moe_layer_freq``-th layer."""
+    return (
+        config.n_routed_experts is not None
+        and layer >= config.first_k_dense_replace
+        and layer % getattr(config, "moe_layer_freq", 1) == 0
+    )
+
+
+def present(config: PretrainedConfig, template: str, layer: int) -> bool:
+    if template in DENSE_MLP_NAMES:
+        return not is_moe_layer(config, layer)
+    if template in MOE_NAMES:
+        return is_moe_layer(config, layer)
+    return True
+
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def softmax_scale(config: PretrainedConfig) -> float:
+    """``qk_head_dim^-0.5``, times ``mscale²`` under DeepSeek's YaRN rope, as vLLM's
+    ``DeepseekV2MLAAttention`` (and HuggingFace's ``DeepseekV3Attention``) scale the scores."""
+    scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
+    rope = getattr(config, "rope_parameters", None) or {}
+    yarn = rope.get("rope_type", "default") != "default" and rope.get("attention_factor") != 1.0
+    if yarn:
+        scale *= yarn_mscale(rope["factor"], float(rope.get("mscale_all_dim", 0) or 0)) ** 2
+    return scale
+
+
+def router(config: PretrainedConfig) -> GroupedTopK:
+    """The routing vLLM builds for ``DeepseekV2MoE`` from this config."""
+    uses_bias = getattr(config, "topk_method", None) == "noaux_tc"
+    return GroupedTopK(
+        top_k=config.num_experts_per_tok,
+        n_group=getattr(config, "n_group", None) or 1,
+        topk_group=getattr(config, "topk_group", None) or 1,
+        scoring=getattr(config, "scoring_func", "softmax"),
+        renormalize=bool(config.norm_topk_prob),
+        scaling=float(getattr(config, "routed_scaling_factor", 1.0)),
+        bias_name="model.layers.{layer}.mlp.gate.e_score_correction_bias" if uses_bias else None,
+    )
+
+
+def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
+    eps = config.rms_norm_eps
+    heads = config.num_attention_heads
+    d_nope, d_rope, d_v = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+    q_rank, kv_rank = config.q_lora_rank, config.kv_lora_rank
+    d_mlp = config.intermediate_size
+
+    resid_pre = entering(LAYER, Argument(1, "hidden_states"), plus=Argument(2, "residual"))
+    resid_mid = entering(
+        f"{LAYER}.post_attention_layernorm", Argument(0, "x"), plus=Argument(1, "residual")
+    )
+    resid_final = entering("model.norm", Argument(0, "x"), plus=Argument(1, "residual"))
+    if q_rank is None:
+        q_proj, kv_a, k_pe_start = f"{ATTN}.q_proj", f"{ATTN}.kv_a_proj_with_mqa", kv_rank
+    else:
+        q_proj, kv_a, k_pe_start = f"{ATTN}.q_b_proj", f"{ATTN}.fused_qkv_a_proj", q_rank + kv_rank
+    q = leaving(q_proj, element=0)
+    k_pe_end = k_pe_start + d_rope
+    k_pe = columns(leaving(kv_a, element=0), k_pe_start, k_pe_end, "pos qk_rope_head_dim")
+    gate_up = leaving(f"{MLP}.gate_up_proj", element=0)
+    kv_b_proj = f"{CHECKPOINT_ATTN}.kv_b_proj.weight"
+    moe_router = router(config)
+    attn = f"{BLOCK}.attn"
+
+    q_latent = {
+        f"{attn}.hook_q_latent": entering(q_proj, Argument(0, "input_"), shape="pos q_lora_rank")
+    }
+    return {
+        "hook_embed": leaving("model.embed_tokens"),
+        f"{BLOCK}.hook_resid_pre": resid_pre,
+        f"{BLOCK}.ln1.hook_scale": rms_scale(resid_pre, eps),
+        f"{BLOCK}.ln1.hook_normalized": rms_normalized(resid_pre, eps),
+        **(q_latent if q_rank is not None else {}),
+        f"{attn}.hook_q": per_head_as(q, d_nope + d_rope, "pos head qk_head_dim"),
+        f"{attn}.hook_kv_latent": entering(
+            MLA, Argument(1, "kv_c_normed"), shape="pos kv_lora_rank"
+        ),
+        f"{attn}.hook_k_pe": k_pe,
+        f"{attn}.hook_rot_q": entering(MLA, Argument(0, "q"), shape="pos head qk_head_dim"),
+        f"{attn}.hook_rot_k_pe": squeezed(
+            entering(MLA, Argument(2, "k_pe")), axis=1, shape="pos qk_rope_head_dim"
+        ),
+        f"{attn}.hook_k": latent_keys(
+            f"{attn}.hook_kv_latent", f"{attn}.hook_k_pe", kv_b_proj, heads, d_nope
+        ),
+        f"{attn}.hook_rot_k": latent_keys(
+            f"{attn}.hook_kv_latent", f"{attn}.hook_rot_k_pe", kv_b_proj, heads, d_nope
+        ),
+        f"{attn}.hook_v": latent_values(f"{attn}.hook_kv_latent", kv_b_proj, heads, d_nope),
+        f"{attn}.hook_attn_scores": attention_scores(
+            f"{attn}.hook_rot_q", f"{attn}.hook_rot_k", scale=softmax_scale(config)
+        ),
+        f"{attn}.hook_pattern": attention_pattern(f"{attn}.hook_attn_scores"),
+        f"{attn}.hook_z": per_head_as(
+            entering(f"{ATTN}.o_proj", Argument(0, "input_")), d_v, "pos head v_head_dim"
+        ),
+        f"{attn}.hook_result": head_results(
+            f"{attn}.hook_z", w_o=f"{CHECKPOINT_ATTN}.o_proj.weight"
+        ),
+        f"{BLOCK}.hook_attn_out": leaving(ATTN),
+        f"{BLOCK}.hook_resid_mid": resid_mid,
+        f"{BLOCK}.hook_mlp_in": resid_mid,
+        f"{BLOCK}.ln2.hook_scale": rms_scale(resid_mid, eps),
+        f"{BLOCK}.ln2.hook_normalized": rms_normalized(resid_mid, eps),
+        f"{BLOCK}.mlp.hook_pre": columns(gate_up, 0, d_mlp, "pos d_mlp"),
+        f"{BLOCK}.mlp.hook_pre_linear": columns(gate_up, d_mlp, 2 * d_mlp, "pos d_mlp"),
+        f"{BLOCK}.mlp.hook_post": entering(
+            f"{MLP}.down_proj", Argument(0, "input_"), shape="pos d_mlp"
+        ),
+        f"{BLOCK}.mlp.hook_router_logits": leaving(
+            f"{MLP}.gate", element=0, shape="pos n_routed_experts"
+        ),
+        f"{BLOCK}.mlp.hook_expert_weights": expert_weights(
+            f"{BLOCK}.mlp.hook_router_logits", moe_router
+        ),
+        f"{BLOCK}.mlp.hook_expert_indices": expert_indices(
+            f"{BLOCK}.mlp.hook_router_logits", moe_router
+        ),
+        f"{BLOCK}.mlp.hook_shared_out": leaving(f"{MLP}.shared_experts"),
+        f"{BLOCK}.mlp.hook_routed_out": difference(
+            f"{BLOCK}.hook_mlp_out", f"{BLOCK}.mlp.hook_shared_out"
+        ),
+        f"{BLOCK}.hook_mlp_out": leaving(MLP),
+        f"{BLOCK}.hook_resid_post": leaving(LAYER, element=0, plus=1),
+        "ln_final.hook_scale": rms_scale(resid_final, eps),
+        "ln_final.hook_normalized": rms_normalized(resid_final, eps),
+        "unembed.hook_out": logits(leaving("model.norm", element=0)),
+    }
+
+
+def routed_expert_error(name: str) -> str | None:
+    """Why ``name`` cannot be given if it asks for one routed expert (any name with an
+    ``experts.`` part, e.g. ``blocks.1.mlp.experts.3.hook_post``); None for any other name."""
+    if not re.search(r"(^|\.)experts\.", name):
+        return None
+    layer = re.match(r"blocks\.(\d+)\.", name)
+    block = f"blocks.{layer.group(1)}" if layer else BLOCK
+    offered = ", ".join(n.replace(BLOCK, block) for n in (*MOE_NAMES, f"{BLOCK}.hook_mlp_out"))
+    return (
+        f"{name!r}: vLLM runs a MoE layer's routed experts as one fused kernel (routing, every "
+        f"expert, the weighted sum), so no single expert's activations exist to hook. Per MoE "
+        f"layer vlens offers {offered}."
+    )
+
+
+MAPPING = UnevenLayersMapping(
+    architectures=("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"),
+    hook_specs=hook_specs,
+    present=present,
+    unavailable=routed_expert_error,
+)

@@ -1,0 +1,401 @@
+"""Activations of many prompts on disk, one row per token: the training set of a sparse autoencoder.
+
+A store is a folder of safetensors shards plus ``manifest.json``. Every shard holds, for each hook
+name, a ``[rows, ...]`` tensor; the rows are the tokens of whole prompts, concatenated in prompt
+order without padding. The manifest says which model, names, shapes and dtype were stored and, for
+each prompt, its shard, its row range in that shard and its token ids.
+
+Writing streams: prompts run through vLLM one batch at a time and a shard is written as soon as it
+is full, so memory holds at most one shard and one batch. Writing resumes: a shard is written under
+a temporary name and renamed once on disk, and only then recorded in the manifest (itself replaced
+by rename), so an interrupted run leaves a manifest that names only whole shards; the next run
+deletes anything else and carries on after the last recorded prompt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import fnmatch
+import importlib.metadata
+import itertools
+import json
+import os
+import re
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from torch import Tensor
+from tqdm import tqdm
+
+from vlens.hooked import HookedVLLM
+from vlens.mapping import Spec
+from vlens.names import canonical
+
+FORMAT = "vlens-activations/1"
+MANIFEST = "manifest.json"
+SHARD_GLOB = "shard-*.safetensors"
+TEMP_SUFFIX = ".tmp"
+MANIFEST_TEMP = MANIFEST + TEMP_SUFFIX
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+#: A prompt: text (tokenized by the model's tokenizer) or token ids.
+Prompt = str | list[int]
+
+
+class StoreError(ValueError):
+    """A request the store cannot honour: a bad name or prompt file, or a store made differently."""
+
+
+# ---- which names ---------------------------------------------------------------------------------
+
+
+def resolve_names(patterns: Sequence[str], specs: Mapping[str, Spec]) -> list[str]:
+    """The canonical names that hook names or fnmatch globs (``blocks.*.hook_resid_post``) pick,
+    in forward order. Only token-major names (``[pos, ...]``) can be stored as rows."""
+    if not patterns:
+        raise StoreError("give at least one hook name or pattern")
+    chosen: set[str] = set()
+    for pattern in patterns:
+        if any(char in pattern for char in "*?["):
+            matched = [name for name in specs if fnmatch.fnmatchcase(name, pattern)]
+            if not matched:
+                near = _near_templates(pattern, specs)
+                raise StoreError(f"no hook name matches {pattern!r}.{near}")
+            chosen.update(matched)
+        else:
+            chosen.add(canonical(pattern, specs))
+    names = [name for name in specs if name in chosen]
+    for name in names:
+        _require_token_major(name, specs[name].shape)
+    return names
+
+
+def _near_templates(pattern: str, names: Iterable[str]) -> str:
+    """Names near ``pattern``, with layer numbers as ``*``: one suggestion covers all layers."""
+    templates = sorted({re.sub(r"\.\d+\.", ".*.", name) for name in names})
+    near = difflib.get_close_matches(pattern, templates, n=5, cutoff=0.5)
+    hint = f" Did you mean: {', '.join(near)}?" if near else ""
+    return f"{hint} (`vlens names MODEL` lists all.)"
+
+
+def _require_token_major(name: str, shape: str) -> None:
+    axes = shape.split()
+    if axes[0] != "pos" or any(axis.endswith("pos") for axis in axes[1:]):
+        raise StoreError(
+            f"{name} is [batch {shape}], not one row per token ([batch pos ...]): only token-major "
+            f"names can be stored for now (attention scores and patterns cannot)."
+        )
+
+
+# ---- prompt files --------------------------------------------------------------------------------
+
+
+def read_prompts(path: Path) -> Iterator[Prompt]:
+    """The prompts of a file, lazily: in a ``.jsonl`` file one JSON object per line with a "text"
+    (string) or a "tokens" (token ids) field; in any other file one text per line. Blank lines
+    are skipped."""
+    jsonl = path.suffix == ".jsonl"
+    with path.open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines, 1):
+            if line.strip():
+                yield _json_prompt(line, f"{path}:{number}") if jsonl else line.rstrip("\r\n")
+
+
+def count_prompts(path: Path) -> int:
+    """How many prompts :func:`read_prompts` yields, without parsing them."""
+    with path.open(encoding="utf-8") as lines:
+        return sum(1 for line in lines if line.strip())
+
+
+def _json_prompt(line: str, where: str) -> Prompt:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise StoreError(f"{where}: not JSON ({error})") from error
+    if isinstance(record, dict) and isinstance(record.get("text"), str):
+        return record["text"]
+    tokens = record.get("tokens") if isinstance(record, dict) else None
+    if isinstance(tokens, list) and tokens and all(isinstance(t, int) for t in tokens):
+        return tokens
+    raise StoreError(f'{where}: expected an object with "text" (a string) or "tokens" (token ids)')
+
+
+# ---- the folder ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What a store was made with; resuming with anything else would mix two data sets."""
+
+    model: str
+    names: tuple[str, ...]
+    dtype: str
+    max_new_tokens: int
+
+
+class ActivationStore:
+    """A store folder being written: its manifest in memory, appended one whole shard at a time."""
+
+    def __init__(self, folder: Path, settings: Settings, manifest: dict[str, Any] | None) -> None:
+        self.folder = folder
+        self.settings = settings
+        self.manifest = manifest
+
+    @classmethod
+    def open(cls, folder: Path, settings: Settings) -> ActivationStore:
+        """Open ``folder`` to write or resume: removes what an interrupted run left unrecorded and
+        refuses a manifest made with other settings."""
+        folder.mkdir(parents=True, exist_ok=True)
+        manifest_path = folder / MANIFEST
+        manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else None
+        if manifest is not None:
+            _require_same_settings(manifest, settings, manifest_path)
+        store = cls(folder, settings, manifest)
+        store._remove_unrecorded()
+        return store
+
+    @property
+    def stored_prompts(self) -> int:
+        return 0 if self.manifest is None else len(self.manifest["prompts"])
+
+    def prompt_tokens(self, index: int) -> list[int]:
+        """Stored prompt ``index``'s own token ids (without generated ones)."""
+        entry = self.manifest["prompts"][index]
+        return entry["tokens"][: entry["prompt_length"]]
+
+    def add_shard(self, tensors: dict[str, Tensor], prompts: list[dict[str, Any]]) -> None:
+        """Write one shard, then record it and its prompts: the manifest never names a partial
+        file."""
+        if self.manifest is None:
+            self.manifest = self._new_manifest(tensors)
+        index = len(self.manifest["shards"])
+        file = f"shard-{index:05d}.safetensors"
+        _write_atomically(self.folder / file, lambda temp: save_file(tensors, temp))
+        rows = next(iter(tensors.values())).shape[0]
+        self.manifest["shards"].append({"file": file, "rows": rows})
+        self.manifest["prompts"].extend({"shard": index, **prompt} for prompt in prompts)
+        text = _manifest_text(self.manifest)
+        _write_atomically(self.folder / MANIFEST, lambda temp: temp.write_text(text))
+
+    def _new_manifest(self, tensors: dict[str, Tensor]) -> dict[str, Any]:
+        import vllm
+
+        dtype = self.settings.dtype
+        return {
+            "format": FORMAT,
+            "model": self.settings.model,
+            "max_new_tokens": self.settings.max_new_tokens,
+            "names": {
+                name: {"shape": list(tensors[name].shape[1:]), "dtype": dtype}
+                for name in self.settings.names
+            },
+            "versions": {
+                "vlens": _installed_version("vlens"),
+                "vllm": vllm.__version__,
+                "torch": torch.__version__,
+            },
+            "shards": [],
+            "prompts": [],
+        }
+
+    def _remove_unrecorded(self) -> None:
+        """Temporary files, and shards the manifest does not name, are what an interruption left."""
+        recorded = {shard["file"] for shard in (self.manifest or {"shards": []})["shards"]}
+        missing = recorded - {path.name for path in self.folder.glob(SHARD_GLOB)}
+        if missing:
+            raise StoreError(f"{self.folder} lacks shards its manifest records: {sorted(missing)}")
+        leftovers = [path for path in self.folder.glob(SHARD_GLOB) if path.name not in recorded]
+        leftovers += [*self.folder.glob(SHARD_GLOB + TEMP_SUFFIX), self.folder / MANIFEST_TEMP]
+        for path in leftovers:
+            path.unlink(missing_ok=True)
+
+
+def _installed_version(distribution: str) -> str | None:
+    """None when running from a source tree that was never installed."""
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _require_same_settings(manifest: dict[str, Any], settings: Settings, where: Path) -> None:
+    names = manifest["names"]
+    dtype = next(iter(names.values()))["dtype"]
+    stored = Settings(manifest["model"], tuple(names), dtype, manifest["max_new_tokens"])
+    differences = [
+        f"{field.name} {getattr(stored, field.name)} (this run: {getattr(settings, field.name)})"
+        for field in dataclasses.fields(Settings)
+        if getattr(stored, field.name) != getattr(settings, field.name)
+    ]
+    if differences:
+        raise StoreError(
+            f"{where} was written with {'; '.join(differences)}. Resume with the same settings, "
+            f"or write to another folder."
+        )
+
+
+def _write_atomically(path: Path, write: Callable[[Path], object]) -> None:
+    """``write(temp)``, then make ``temp`` durable and rename it to ``path``: readers see the old
+    file or the whole new one, never part of it."""
+    temp = path.with_name(path.name + TEMP_SUFFIX)
+    write(temp)
+    temp.chmod(0o644)  # safetensors creates files only their owner can read; stores are shared
+    _fsync(temp)
+    os.replace(temp, path)
+    _fsync(path.parent)
+
+
+def _fsync(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _manifest_text(manifest: dict[str, Any]) -> str:
+    """JSON with one line per field, and one line per record of a list or of a dict of records
+    (prompts, shards, names): readable, and a prompt's tokens stay on its line."""
+    fields = []
+    for key, value in manifest.items():
+        if isinstance(value, list):
+            records, brackets = [json.dumps(item) for item in value], "[]"
+        elif isinstance(value, dict) and all(isinstance(item, dict) for item in value.values()):
+            records = [f"{json.dumps(name)}: {json.dumps(item)}" for name, item in value.items()]
+            brackets = "{}"
+        else:
+            fields.append(f"  {json.dumps(key)}: {json.dumps(value)}")
+            continue
+        body = "".join(f"\n    {record}," for record in records).rstrip(",")
+        fields.append(f"  {json.dumps(key)}: {brackets[0]}{body}\n  {brackets[1]}")
+    return "{\n" + ",\n".join(fields) + "\n}\n"
+
+
+# ---- filling a shard -----------------------------------------------------------------------------
+
+
+class ShardBuffer:
+    """The rows of the shard being filled. Preallocated at ``capacity`` rows, so that writing it
+    needs no second copy; a shard holds whole prompts, and a prompt longer than ``capacity`` gets a
+    shard of its own."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._empty()
+
+    def _empty(self) -> None:
+        self.rows = 0
+        self.tensors: dict[str, Tensor] = {}
+        self.prompts: list[dict[str, Any]] = []
+
+    def fits(self, rows: int) -> bool:
+        return self.rows == 0 or self.rows + rows <= self.capacity
+
+    @property
+    def full(self) -> bool:
+        return self.rows >= self.capacity
+
+    def add(self, values: dict[str, Tensor], tokens: list[int], prompt_length: int) -> None:
+        rows = len(tokens)
+        if not self.tensors:
+            size = max(self.capacity, rows)
+            self.tensors = {n: v.new_empty((size, *v.shape[1:])) for n, v in values.items()}
+        for name, value in values.items():
+            self.tensors[name][self.rows : self.rows + rows] = value
+        start, self.rows = self.rows, self.rows + rows
+        self.prompts.append(
+            {"start": start, "stop": self.rows, "prompt_length": prompt_length, "tokens": tokens}
+        )
+
+    def flush(self, store: ActivationStore) -> None:
+        if self.rows:
+            store.add_shard({n: t[: self.rows] for n, t in self.tensors.items()}, self.prompts)
+        self._empty()
+
+
+# ---- running ---------------------------------------------------------------------------------
+
+
+def open_store(
+    out: Path, model_path: Path, names: Sequence[str], dtype: str, max_new_tokens: int
+) -> ActivationStore:
+    """Open ``out`` for these settings (see :meth:`ActivationStore.open`)."""
+    if dtype not in DTYPES:
+        raise StoreError(f"dtype must be one of {sorted(DTYPES)}, not {dtype!r}")
+    settings = Settings(str(Path(model_path).resolve()), tuple(names), dtype, max_new_tokens)
+    return ActivationStore.open(Path(out), settings)
+
+
+def write_activations(
+    model: HookedVLLM,
+    prompts: Iterable[Prompt],
+    names: Sequence[str],
+    out: Path,
+    *,
+    batch_size: int = 32,
+    shard_tokens: int = 65536,
+    dtype: str = "float32",
+    max_new_tokens: int = 0,
+    total: int | None = None,
+    progress: bool = True,
+) -> ActivationStore:
+    """Store the activations of ``names`` (hook names or globs) for every prompt into ``out``,
+    resuming after the prompts an earlier run stored there.
+
+    ``prompts`` must give the same prompts, in the same order, as in the run being resumed (the
+    last stored prompt is checked). ``total`` (the number of prompts) sizes the progress bar.
+    """
+    if batch_size < 1 or shard_tokens < 1:
+        raise StoreError("batch_size and shard_tokens must be positive")
+    names = resolve_names(names, model.hook_specs)
+    store = open_store(out, model.weights.folder, names, dtype, max_new_tokens)
+    buffer = ShardBuffer(shard_tokens)
+    bar = tqdm(total=total, initial=store.stored_prompts, unit="prompt", disable=not progress)
+    with bar:
+        for batch in _batches(_unstored(model, prompts, store), batch_size):
+            _, cache = model.run_with_cache(
+                batch, names_filter=names, return_type=None, max_new_tokens=max_new_tokens
+            )
+            for index, prompt in enumerate(batch):
+                length = int(cache.lengths[index])
+                if not buffer.fits(length):
+                    buffer.flush(store)
+                values = {name: cache.unpadded(name, index).to(DTYPES[dtype]) for name in names}
+                buffer.add(values, cache.tokens[index, :length].tolist(), len(prompt))
+                if buffer.full:
+                    buffer.flush(store)
+            bar.update(len(batch))
+        buffer.flush(store)
+    return store
+
+
+def _unstored(
+    model: HookedVLLM, prompts: Iterable[Prompt], store: ActivationStore
+) -> Iterator[list[int]]:
+    """The token ids of the prompts after those already stored; the last stored one must match
+    what the store recorded, or the prompts are not those of the run being resumed."""
+    prompts = iter(prompts)
+    done = store.stored_prompts
+    if done:
+        last = next(itertools.islice(prompts, done - 1, None), None)
+        if last is None or _tokens(model, last) != store.prompt_tokens(done - 1):
+            raise StoreError(
+                f"prompt {done - 1} is not the one stored in {store.folder}: resume with the same "
+                f"prompts, in the same order"
+            )
+    return (_tokens(model, prompt) for prompt in prompts)
+
+
+def _tokens(model: HookedVLLM, prompt: Prompt) -> list[int]:
+    return model.token_lists(prompt if isinstance(prompt, str) else [prompt])[0]
+
+
+def _batches(items: Iterable[list[int]], size: int) -> Iterator[list[list[int]]]:
+    items = iter(items)
+    while batch := list(itertools.islice(items, size)):
+        yield batch
