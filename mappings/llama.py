@@ -28,6 +28,7 @@ from transformers import PretrainedConfig
 from vlens.mapping import (
     ArchitectureMapping,
     Argument,
+    Shards,
     Spec,
     attention_pattern,
     attention_scores,
@@ -68,8 +69,12 @@ def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
         f"{LAYER}.post_attention_layernorm", Argument(0, "x"), plus=Argument(1, "residual")
     )
     resid_final = entering("model.norm", Argument(0, "x"), plus=Argument(1, "residual"))
-    qkv = leaving(f"{ATTN}.qkv_proj", element=0)
-    gate_up = leaving(f"{MLP}.gate_up_proj", element=0)
+    # Under tensor parallelism each rank holds its heads of these, and its part of d_mlp.
+    q_heads, kv_heads_split = Shards(-1, (q_end,)), Shards(-1, (k_end - q_end,))
+    qkv = leaving(f"{ATTN}.qkv_proj", element=0, shards=Shards(-1, (q_end, k_end - q_end, v_end - k_end)))
+    gate_up = leaving(f"{MLP}.gate_up_proj", element=0, shards=Shards(-1, (d_mlp, d_mlp)))
+    z = entering(f"{ATTN}.o_proj", Argument(0, "input_", q_heads))
+    post = entering(f"{MLP}.down_proj", Argument(0, "input_", Shards(-1, (d_mlp,))), shape="pos d_mlp")
     return {
         "hook_embed": leaving("model.embed_tokens"),
         f"{BLOCK}.hook_resid_pre": resid_pre,
@@ -82,15 +87,17 @@ def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
         f"{BLOCK}.attn.hook_q": per_head(columns(qkv, 0, q_end, "pos"), d_head),
         f"{BLOCK}.attn.hook_k": per_head(columns(qkv, q_end, k_end, "pos"), d_head, "kv_head"),
         f"{BLOCK}.attn.hook_v": per_head(columns(qkv, k_end, v_end, "pos"), d_head, "kv_head"),
-        f"{BLOCK}.attn.hook_rot_q": per_head(entering(f"{ATTN}.attn", Argument(0, "query")), d_head),
+        f"{BLOCK}.attn.hook_rot_q": per_head(
+            entering(f"{ATTN}.attn", Argument(0, "query", q_heads)), d_head
+        ),
         f"{BLOCK}.attn.hook_rot_k": per_head(
-            entering(f"{ATTN}.attn", Argument(1, "key")), d_head, "kv_head"
+            entering(f"{ATTN}.attn", Argument(1, "key", kv_heads_split)), d_head, "kv_head"
         ),
         f"{BLOCK}.attn.hook_attn_scores": attention_scores(
             f"{BLOCK}.attn.hook_rot_q", f"{BLOCK}.attn.hook_rot_k", scale=d_head**-0.5
         ),
         f"{BLOCK}.attn.hook_pattern": attention_pattern(f"{BLOCK}.attn.hook_attn_scores"),
-        f"{BLOCK}.attn.hook_z": per_head(entering(f"{ATTN}.o_proj", Argument(0, "input_")), d_head),
+        f"{BLOCK}.attn.hook_z": per_head(z, d_head),
         f"{BLOCK}.attn.hook_result": head_results(
             f"{BLOCK}.attn.hook_z", w_o="model.layers.{layer}.self_attn.o_proj.weight"
         ),
@@ -101,7 +108,7 @@ def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
         f"{BLOCK}.ln2.hook_normalized": rms_normalized(resid_mid, eps),
         f"{BLOCK}.mlp.hook_pre": columns(gate_up, 0, d_mlp, "pos d_mlp"),
         f"{BLOCK}.mlp.hook_pre_linear": columns(gate_up, d_mlp, 2 * d_mlp, "pos d_mlp"),
-        f"{BLOCK}.mlp.hook_post": entering(f"{MLP}.down_proj", Argument(0, "input_"), shape="pos d_mlp"),
+        f"{BLOCK}.mlp.hook_post": post,
         f"{BLOCK}.hook_mlp_out": leaving(MLP),
         f"{BLOCK}.hook_resid_post": leaving(LAYER, element=0, plus=1),
         "ln_final.hook_scale": rms_scale(resid_final, eps),
@@ -120,5 +127,5 @@ WEIGHTS = WeightNames(
 )
 
 MAPPING = ArchitectureMapping(
-    architectures=("LlamaForCausalLM",), hook_specs=hook_specs, weights=WEIGHTS
+    architectures=("LlamaForCausalLM",), hook_specs=hook_specs, weights=WEIGHTS, tensor_parallel=True
 )

@@ -14,16 +14,20 @@ values are heads-first (``[batch, head, pos, d_head]``), as TransformerLens's br
 
 from transformers import PretrainedConfig
 
-from vlens.mapping import ArchitectureMapping, Spec, heads_first, leaving
+from vlens.mapping import ArchitectureMapping, Shards, Spec, heads_first, leaving
 from vlens.mappings import llama
 from vlens.mappings.llama import ATTN, BLOCK
 
 
 def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
     specs = llama.hook_specs(config)
+    heads, kv_heads, _ = llama.dimensions(config)
+    # q_norm / k_norm see [pos, heads, d_head]: under tensor parallelism, this rank's heads.
+    q_normed = leaving(f"{ATTN}.q_norm", shards=Shards(-2, (heads,)))
+    k_normed = leaving(f"{ATTN}.k_norm", shards=Shards(-2, (kv_heads,)))
     normed = {
-        f"{BLOCK}.attn.hook_q_normed": heads_first(leaving(f"{ATTN}.q_norm")),
-        f"{BLOCK}.attn.hook_k_normed": heads_first(leaving(f"{ATTN}.k_norm"), "kv_head"),
+        f"{BLOCK}.attn.hook_q_normed": heads_first(q_normed),
+        f"{BLOCK}.attn.hook_k_normed": heads_first(k_normed, "kv_head"),
     }
     order = list(specs)
     at = order.index(f"{BLOCK}.attn.hook_rot_q")
@@ -31,5 +35,8 @@ def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
 
 
 MAPPING = ArchitectureMapping(
-    architectures=("Qwen3ForCausalLM",), hook_specs=hook_specs, weights=llama.WEIGHTS
+    architectures=("Qwen3ForCausalLM",),
+    hook_specs=hook_specs,
+    weights=llama.WEIGHTS,
+    tensor_parallel=True,
 )

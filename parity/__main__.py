@@ -29,7 +29,9 @@ def checkpoint(arg: str) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m vlens.parity", description=__doc__)
-    parser.add_argument("models", nargs="*", default=["qwen3", "llama"])
+    parser.add_argument(
+        "models", nargs="*", default=["qwen3", "llama", "gpt2", "deepseek_v3", "deepseek_v2"]
+    )
     parser.add_argument("--out", type=Path, help="also write the report (Markdown) here")
     args = parser.parse_args(argv)
 
@@ -48,13 +50,16 @@ def main(argv: list[str] | None = None) -> int:
         f"and patterns): max relative error = max ‖vlens − ref‖/‖ref‖. Tolerance: "
         f"<= {FP32_MAX_REL:g}.\n",
         "HuggingFace has no module for some names; their reference is rebuilt from HuggingFace "
-        "tensors by the model's own formula: `hook_rot_q`/`hook_rot_k` (HuggingFace's "
-        "`apply_rotary_pos_emb` on its q and k), `hook_result` (`hook_z` of HuggingFace times the "
-        "checkpoint's `o_proj` weight per head), `hook_attn_in` and `hook_q/k/v_input` "
-        "(HuggingFace's block input repeated per head), `ln*.hook_scale`/`hook_normalized` (from "
-        "the norm's input with the config's eps). `hook_pattern` is HuggingFace's own attention "
-        "weights; `hook_attn_scores` has no HuggingFace counterpart and is checked against "
-        "TransformerLens only.\n",
+        "tensors by the model's own formula, as each recorder's docstring says "
+        "(`parity/hf_llama.py`, `hf_gpt2.py`, `hf_deepseek.py`): e.g. rotated q and k (HuggingFace's "
+        "rotary function on its q and k), `hook_result` (HuggingFace's `hook_z` times the "
+        "checkpoint's output projection per head), the per-head input copies, `ln*.hook_scale` / "
+        "`hook_normalized` (from the norm's input with the config's eps), DeepSeek's routing "
+        "(from HuggingFace's router logits by the model's scoring, group top-k, bias and scaling). "
+        "`hook_pattern` is HuggingFace's own attention weights. Rows against TransformerLens "
+        "(`TransformerBridge`, `no_processing=True`) cover every name TransformerLens has; it "
+        "does not set DeepSeek's MLA up with the hooks compared here, so DeepSeek's rows are "
+        "HuggingFace only.\n",
     ]
     failed = False
     for arg in args.models:

@@ -220,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
     import vllm
 
     from vlens import HookedVLLM
-    from vlens.testing import tiny_model
+    from vlens.testing import ARCHS, tiny_model
 
     threads = os.environ.get("PARITY_THREADS") or max(1, (os.cpu_count() or 2) // 2)
     torch.set_num_threads(int(threads))
@@ -244,11 +244,12 @@ def run(args: argparse.Namespace) -> int:
 
     for arch in archs:
         for dtype in args.dtype:
-            entry: dict[str, Any] = {"arch": arch, "dtype": dtype, "criterion": criterion(dtype)}
+            entry: dict[str, Any] = {"arch": Path(arch).name, "dtype": dtype}
+            entry["criterion"] = criterion(dtype)
             start = time.time()
             model = None
             try:
-                path = tiny_model(arch)
+                path = tiny_model(arch) if arch in ARCHS else Path(arch)
                 memory = {}
                 if torch.cuda.is_available():
                     memory = dict(
@@ -367,7 +368,9 @@ def report(files: list[Path]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m vlens.parity.gpu", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("models", nargs="*", help="tiny architectures (default: all with a mapping)")
+    parser.add_argument("models", nargs="*",
+                        help="tiny architectures or checkpoint folders (default: every tiny "
+                        "architecture with a mapping)")
     parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"],
                         choices=["float32", "bfloat16"])
     parser.add_argument("--isolation", action="store_true", help="also check steering isolation")

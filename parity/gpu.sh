@@ -2,7 +2,7 @@
 # Issue 11: parity and steering isolation on CUDA, in ONE device call after the carry calls.
 #
 # Here, once:   bash ../shared/gpu/prepare.sh && bash parity/prepare_gpu.sh
-# Device calls: one per .gpuK folder (carry [".gpuK"], `mkdir -p /tmp/vlens-parts && cp .gpuK/*
+# Device calls: one per .gpuK folder (8) (carry [".gpuK"], `mkdir -p /tmp/vlens-parts && cp .gpuK/*
 #               /tmp/vlens-parts/`), each right after the last; then, right after those,
 #               run `bash parity/gpu.sh` (writes under $OUT; about 6 minutes).
 #

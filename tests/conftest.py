@@ -13,11 +13,8 @@ from vlens.testing import tiny_model
 
 @pytest.fixture(scope="session")
 def hooked() -> Callable[..., HookedVLLM]:
-    """``hooked("qwen3", **engine_args)``: the session's fp32 engine for a tiny model.
-
-    Engines live until the session ends: vLLM tears down its process-wide parallel state when
-    any engine is garbage-collected, which would break the engines still in use.
-    """
+    """``hooked("qwen3", **engine_args)``: the session's fp32 engine for a tiny model, built
+    once: engines are the slow part of the suite."""
     engines: dict[tuple, HookedVLLM] = {}
 
     def get(arch: str, **engine_args: object) -> HookedVLLM:

@@ -56,3 +56,18 @@ def test_chunked_prefill_joins_chunks(hooked):
     for name in ("blocks.0.hook_resid_pre", "blocks.2.hook_resid_post", "ln_final.hook_scale"):
         torch.testing.assert_close(cache[name], whole[name], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(logits, whole_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_dropping_one_engine_leaves_the_others_running(hooked):
+    import gc
+
+    from vlens import HookedVLLM
+    from vlens.testing import tiny_model
+
+    survivor = hooked("qwen3")
+    doomed = HookedVLLM.from_pretrained(tiny_model("llama"), dtype="float32", max_num_seqs=2)
+    doomed.run_with_cache("short-lived")
+    del doomed
+    gc.collect()
+    logits, _ = survivor.run_with_cache("still serving", names_filter=[])
+    assert logits.shape[-1] == survivor.cfg.d_vocab

@@ -1,4 +1,4 @@
-"""The ``vlens`` command, run in-process on the tiny Llama: ``cache`` (the activation store, its
+"""The ``vlens`` command, run in-process on tiny models: ``cache`` (the activation store, its
 manifest and resuming), ``names``, ``lens`` (table and plot) and ``parity``."""
 
 import json
@@ -34,8 +34,8 @@ CLOSE = dict(rtol=1e-5, atol=1e-5)
 
 @pytest.fixture
 def model(hooked, monkeypatch) -> HookedVLLM:
-    """The session's tiny Llama engine, handed to the CLI instead of one it would build and drop
-    (dropping an engine breaks the others in the process)."""
+    """The session's tiny Llama engine, handed to the CLI instead of a new one: engines are the
+    slow part of the suite."""
     engine = hooked("llama")
 
     def from_pretrained(cls, path, **engine_args):
@@ -88,6 +88,7 @@ def test_cache_rows_are_run_with_cache_values(model, prompts, tmp_path):
     assert list(manifest["names"]) == NAMES
     assert manifest["names"]["blocks.1.attn.hook_z"] == {"shape": [4, 32], "dtype": "float32"}
     assert manifest["names"]["hook_embed"] == {"shape": [128], "dtype": "float32"}
+    assert manifest["dtype"] == "float32"
     assert Path(manifest["model"]) == tiny_model("llama").resolve()
     assert set(manifest["versions"]) == {"vlens", "vllm", "torch"}
     assert sorted(path.name for path in out.iterdir()) == ["manifest.json"] + [
@@ -133,6 +134,24 @@ def test_jsonl_prompts_and_generated_positions(model, tmp_path):
             rows[index][names[0]], expected.unpadded(names[0], index), **CLOSE
         )
     assert manifest["prompts"][1]["tokens"][: len(ids)] == ids
+
+
+def test_integer_names_keep_their_dtype(hooked, tmp_path):
+    """Expert indices are stored exactly, beside router logits in the store's dtype."""
+    model = hooked("deepseek_v3")
+    names = ["blocks.1.mlp.hook_expert_indices", "blocks.1.mlp.hook_router_logits"]
+    write_activations(model, TEXTS[:2], names, tmp_path, dtype="bfloat16", progress=False)
+    manifest, rows = stored(tmp_path)
+    assert manifest["names"] == {
+        names[0]: {"shape": [2], "dtype": "int64"},
+        names[1]: {"shape": [8], "dtype": "bfloat16"},
+    }
+    _, expected = model.run_with_cache(TEXTS[:2], names_filter=names, return_type=None)
+    for index in range(2):
+        assert torch.equal(rows[index][names[0]], expected.unpadded(names[0], index))
+        torch.testing.assert_close(
+            rows[index][names[1]], expected.unpadded(names[1], index).bfloat16(), **CLOSE
+        )
 
 
 def test_interrupted_run_resumes_to_the_same_store(model, prompts, tmp_path, monkeypatch):

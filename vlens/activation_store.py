@@ -185,13 +185,16 @@ class ActivationStore:
     def _new_manifest(self, tensors: dict[str, Tensor]) -> dict[str, Any]:
         import vllm
 
-        dtype = self.settings.dtype
         return {
             "format": FORMAT,
             "model": self.settings.model,
+            "dtype": self.settings.dtype,
             "max_new_tokens": self.settings.max_new_tokens,
             "names": {
-                name: {"shape": list(tensors[name].shape[1:]), "dtype": dtype}
+                name: {
+                    "shape": list(tensors[name].shape[1:]),
+                    "dtype": str(tensors[name].dtype).removeprefix("torch."),
+                }
                 for name in self.settings.names
             },
             "versions": {
@@ -224,9 +227,9 @@ def _installed_version(distribution: str) -> str | None:
 
 
 def _require_same_settings(manifest: dict[str, Any], settings: Settings, where: Path) -> None:
-    names = manifest["names"]
-    dtype = next(iter(names.values()))["dtype"]
-    stored = Settings(manifest["model"], tuple(names), dtype, manifest["max_new_tokens"])
+    stored = Settings(
+        manifest["model"], tuple(manifest["names"]), manifest["dtype"], manifest["max_new_tokens"]
+    )
     differences = [
         f"{field.name} {getattr(stored, field.name)} (this run: {getattr(settings, field.name)})"
         for field in dataclasses.fields(Settings)
@@ -365,7 +368,7 @@ def write_activations(
                 length = int(cache.lengths[index])
                 if not buffer.fits(length):
                     buffer.flush(store)
-                values = {name: cache.unpadded(name, index).to(DTYPES[dtype]) for name in names}
+                values = {name: _as(cache.unpadded(name, index), dtype) for name in names}
                 buffer.add(values, cache.tokens[index, :length].tolist(), len(prompt))
                 if buffer.full:
                     buffer.flush(store)
@@ -389,6 +392,11 @@ def _unstored(
                 f"prompts, in the same order"
             )
     return (_tokens(model, prompt) for prompt in prompts)
+
+
+def _as(value: Tensor, dtype: str) -> Tensor:
+    """Floating values in the store's dtype; integers (expert indices) stay exact."""
+    return value.to(DTYPES[dtype]) if value.is_floating_point() else value
 
 
 def _tokens(model: HookedVLLM, prompt: Prompt) -> list[int]:

@@ -61,12 +61,16 @@ class VLensCache(ActivationCache):
         super().__init__(cache_dict, model, has_batch_dim=True)
         self.lengths = lengths
         self.shapes = shapes
+        self.sampled_lengths = torch.zeros_like(lengths)  # tokens sampled per prompt
+        self.tokens: Int[Tensor, "batch pos"] | None = None
 
     def unpadded(self, name: str, index: int) -> Tensor:
         """Request ``index``'s value of ``name`` without padding on any position axis."""
         value = self[name][index]
         for axis, word in enumerate(self.shapes[canonical(name, self.shapes)].split()):
-            if word.endswith("pos"):
+            if word == "new_pos":
+                value = value.narrow(axis, 0, int(self.sampled_lengths[index]))
+            elif word.endswith("pos"):
                 value = value.narrow(axis, 0, int(self.lengths[index]))
         return value
 

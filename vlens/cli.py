@@ -136,7 +136,7 @@ def parser() -> argparse.ArgumentParser:
     cache.add_argument("--shard-tokens", type=int, default=65536, metavar="N",
                        help="rows per shard at most, unless one prompt is longer (default: 65536)")
     cache.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
-                       help="the engine's and the stored dtype (default: float32)")
+                       help="the engine's and the stored floats' dtype (default: float32)")
     cache.add_argument("--max-new-tokens", type=int, default=0, metavar="N",
                        help="also store N-1 greedily generated positions per prompt (default: 0)")
     cache.set_defaults(run=cache_command)
@@ -145,7 +145,7 @@ def parser() -> argparse.ArgumentParser:
         "parity", help="parity tables against HuggingFace and TransformerLens"
     )
     parity.add_argument("models", nargs="*", help="checkpoint folders or tiny model names "
-                        "(default: qwen3 llama)")
+                        "(default: every tiny model)")
     parity.add_argument("--out", type=Path, metavar="FILE", help="also write the report here")
     parity.set_defaults(run=parity_command)
     return root

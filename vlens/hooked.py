@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
@@ -25,6 +26,7 @@ from vlens.mappings import mapping_for
 from vlens.model_config import ModelConfig
 from vlens.names import NamesFilter, select_names
 from vlens.raw import RAW_NAME, prefill_only, raw_spec
+from vlens.readers import OutputOf
 from vlens.runtime.hooks import HookError
 from vlens.runtime.layout import TAG_KEY
 from vlens.runtime.plan import HookFunction, NamePlan, RequestPlan
@@ -34,7 +36,24 @@ from vlens.weights import CheckpointWeights
 
 Input = str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]] | Tensor
 LOGITS = "unembed.hook_out"
+
+#: Engine-level names, the same for every architecture: each step's logits for the token a
+#: request samples next, as the sampler receives them (editable: a hook can ban or boost tokens
+#: for one request). ``[new_pos, d_vocab]``: one row per sampled token.
+SAMPLER_NAMES = {
+    "sampler.hook_logits": HookSpec(Site("logits_processor", "sampled"), OutputOf(), "new_pos d_vocab")
+}
 _call_ids = itertools.count()
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One finished request of :meth:`HookedVLLM.generate`."""
+
+    prompt_tokens: list[int]
+    tokens: list[int]  # the generated ones
+    text: str  # the generated text
+    finish_reason: str | None  # "length", "stop", ...
 
 
 class HookedVLLM(WeightViews):
@@ -55,7 +74,7 @@ class HookedVLLM(WeightViews):
         self.engine = engine
         self.weights = CheckpointWeights(path)
         self.hf_config = config
-        self.hook_specs: dict[str, Spec] = mapping.expanded(config)
+        self.hook_specs: dict[str, Spec] = {**mapping.expanded(config), **SAMPLER_NAMES}
         self.canonical_names = list(self.hook_specs)
         self.cfg = ModelConfig.from_hf(config, mapping, list(self.hook_specs))
         self.tokenizer = tokenizer
@@ -70,6 +89,17 @@ class HookedVLLM(WeightViews):
         """
         config = AutoConfig.from_pretrained(path)
         mapping = mapping_for(config)
+        if int(engine_kwargs.get("pipeline_parallel_size", 1)) > 1:
+            raise NotImplementedError(
+                "pipeline_parallel_size > 1 is not supported yet: each stage holds only its own "
+                "layers, and vlens collects values from one rank; use tensor_parallel_size"
+            )
+        parallel = int(engine_kwargs.get("tensor_parallel_size", 1))
+        if parallel > 1 and not mapping.tensor_parallel:
+            raise NotImplementedError(
+                f"tensor_parallel_size={parallel}: the {config.architectures[0]} mapping does not "
+                f"yet mark the values vLLM splits over ranks; run it with tensor_parallel_size=1"
+            )
         tokenizer = AutoTokenizer.from_pretrained(path)
         return cls(Engine(str(path), **engine_kwargs), Path(path), config, tokenizer, mapping)
 
@@ -100,6 +130,11 @@ class HookedVLLM(WeightViews):
                 continue
             if name.rsplit(".", 1)[0] in self.canonical_names:
                 continue
+            if self.engine.tensor_parallel_size > 1:
+                raise NotImplementedError(
+                    f"{name}: raw locations are not yet available under tensor parallelism (each "
+                    f"rank holds its own slice of many modules' values); use canonical names"
+                )
             self.hook_specs[name] = raw_spec(name, self.module_records)
         for name, spec in self.hook_specs.items():
             if decoding and name not in self.canonical_names and isinstance(spec, HookSpec):
@@ -229,12 +264,15 @@ class HookedVLLM(WeightViews):
         kept = self._site_names(wanted)
         hooks = self.registry.resolve(())
         plans = [self._plan(index, kept, hooks) for index in range(len(prompts))]
-        captures, generated = self._run(prompts, plans, self._greedy(max_new_tokens))
-        if max_new_tokens == 0:
-            generated = [[] for _ in prompts]
+        captures, sampled, _ = self._run(prompts, plans, self._greedy(max_new_tokens))
+        generated = sampled if max_new_tokens else [[] for _ in prompts]
         tokens = [p + g[: max(0, len(g) - 1)] for p, g in zip(prompts, generated)]
         lengths = torch.tensor([len(t) for t in tokens])
-        values = {name: self._padded(name, captures, lengths) for name in kept}
+        sampled_lengths = torch.tensor([len(s) for s in sampled])
+        values = {
+            name: self._padded(name, captures, sampled_lengths if self._per_sample(name) else lengths)
+            for name in kept
+        }
         batch = Batch(
             mask=torch.arange(int(lengths.max()))[None] < lengths[:, None], weights=self.weights
         )
@@ -242,6 +280,7 @@ class HookedVLLM(WeightViews):
             self._derive(name, values, batch)
         shapes = {name: self.hook_specs[name].shape for name in names}
         cache = VLensCache({name: values[name] for name in names}, self, lengths, shapes)
+        cache.sampled_lengths = sampled_lengths
         cache.tokens = pad_batch([torch.tensor(t) for t in tokens])
         return (values[LOGITS] if return_type == "logits" else None), cache
 
@@ -259,15 +298,17 @@ class HookedVLLM(WeightViews):
         seed: int | None = None,
         fwd_hooks: FwdHooks = (),
         prompt_hooks: Sequence[FwdHooks] | None = None,
-        return_type: Literal["input", "str", "tokens"] = "input",
-    ) -> str | list[str] | list[list[int]]:
+        return_type: Literal["input", "str", "tokens", "result"] = "input",
+    ) -> str | list[str] | list[list[int]] | list[Generation]:
         """Continue each prompt by up to ``max_new_tokens`` tokens, with hooks applied at prefill
         and at every decode step.
 
         ``fwd_hooks`` (and hooks added with :meth:`add_hook`) apply to every prompt;
         ``prompt_hooks[i]`` to prompt ``i`` only, so one batch can mix steered and plain prompts.
         Returns, as TransformerLens does, prompt + completion: text for text input
-        (``return_type="input"``), or ``"str"`` / ``"tokens"`` explicitly.
+        (``return_type="input"``), or ``"str"`` / ``"tokens"`` explicitly; ``"result"`` gives each
+        finished request as a :class:`Generation` (prompt and new token ids, new text, why it
+        stopped).
         """
         from vllm import SamplingParams
 
@@ -290,7 +331,12 @@ class HookedVLLM(WeightViews):
             seed=seed,
             ignore_eos=not stop_at_eos,
         )
-        _, generated = self._run(prompts, plans, params)
+        _, generated, reasons = self._run(prompts, plans, params)
+        if return_type == "result":
+            return [
+                Generation(prompt, new, self.to_string(new), reason)
+                for prompt, new, reason in zip(prompts, generated, reasons)
+            ]
         sequences = [prompt + new for prompt, new in zip(prompts, generated)]
         as_text = return_type == "str" or (
             return_type == "input" and (isinstance(input, str) or _is_texts(input))
@@ -322,6 +368,11 @@ class HookedVLLM(WeightViews):
             sites.setdefault(spec.site, []).append(plan)
         return RequestPlan(index, {site: tuple(plans) for site, plans in sites.items()})
 
+    def _per_sample(self, name: str) -> bool:
+        """Whether ``name`` has a value per sampled token (``sampler.*``), not per position."""
+        spec = self.hook_specs[name]
+        return isinstance(spec, HookSpec) and spec.site.event == "sampled"
+
     def _padded(self, name: str, captures: list[RequestCapture], lengths: Tensor) -> Tensor:
         spec = self.hook_specs[name]
         assert isinstance(spec, HookSpec)
@@ -346,9 +397,10 @@ class HookedVLLM(WeightViews):
 
     def _run(
         self, prompts: list[list[int]], plans: list[RequestPlan], params: Any
-    ) -> tuple[list[RequestCapture], list[list[int]]]:
-        """Submit ``prompts`` together, each followed by its plan; returns what each captured and
-        the tokens each generated. A failure in one request's hooks is raised after the call."""
+    ) -> tuple[list[RequestCapture], list[list[int]], list[str | None]]:
+        """Submit ``prompts`` together, each followed by its plan; returns what each captured, the
+        tokens each generated and why each stopped. A failure in one request's hooks is raised
+        after the call."""
         from vllm.inputs import TokensPrompt
 
         call = next(_call_ids)
@@ -371,7 +423,9 @@ class HookedVLLM(WeightViews):
         for index, capture in enumerate(captures):
             if capture.error is not None:
                 raise HookError(f"prompt {index}: {capture.error}") from capture.cause
-        return captures, [list(output.outputs[0].token_ids) for output in outputs]
+        completions = [output.outputs[0] for output in outputs]
+        tokens = [list(completion.token_ids) for completion in completions]
+        return captures, tokens, [completion.finish_reason for completion in completions]
 
 
 def _is_texts(input: Input) -> bool:

@@ -23,12 +23,14 @@ from vlens import derived, readers
 from vlens.readers import Reader
 from vlens.weights import WeightNames
 
-Event = Literal["input", "output"]
+Event = Literal["input", "output", "sampled"]
 
 
 @dataclass(frozen=True)
 class Site:
-    """A place in vLLM's module tree: the call's arguments (``input``) or its result (``output``)."""
+    """A place in vLLM's module tree: the call's arguments (``input``) or its result (``output``)
+    in the forward, or the result of a module called once per step to sample (``sampled``: one
+    row per request that samples a token)."""
 
     path: str
     event: Event
@@ -46,19 +48,35 @@ class SiteCall(Protocol):
     @property
     def model(self) -> torch.nn.Module: ...
 
-    def argument(self, index: int, name: str) -> Any: ...
+    def argument(self, index: int, name: str, shards: Shards | None = None) -> Any: ...
 
     def raw_argument(self, index: int, keyword: str | None) -> Any: ...
 
-    def output(self, element: int | None) -> Any: ...
+    def output(self, element: int | None, shards: Shards | None = None) -> Any: ...
+
+    def assign_argument(self, index: int, name: str, new: Any, shards: Shards | None = None) -> None: ...
+
+    def assign_output(self, element: int | None, new: Any, shards: Shards | None = None) -> None: ...
+
+
+@dataclass(frozen=True)
+class Shards:
+    """How vLLM splits a value over tensor-parallel ranks: along ``dim``, each of the fused
+    ``parts`` (their whole widths, e.g. ``[q | k | v]``) split evenly, each rank holding its
+    slice of every part side by side. Values without it are whole on every rank."""
+
+    dim: int
+    parts: tuple[int, ...]
 
 
 @dataclass(frozen=True)
 class Argument:
-    """An argument of the call, found by keyword or else by position."""
+    """An argument of the call, found by keyword or else by position (``shards``: how it is
+    split over tensor-parallel ranks, if it is)."""
 
     index: int
     name: str
+    shards: Shards | None = None
 
 
 @dataclass(frozen=True)
@@ -97,10 +115,15 @@ Spec = HookSpec | DerivedSpec
 
 
 def leaving(
-    path: str, element: int | None = None, plus: int | None = None, shape: str = "pos d_model"
+    path: str,
+    element: int | None = None,
+    plus: int | None = None,
+    shape: str = "pos d_model",
+    shards: Shards | None = None,
 ) -> HookSpec:
-    """The value a module returns (``element`` of a tuple; ``plus`` another element added)."""
-    return HookSpec(Site(path, "output"), readers.OutputOf(element, plus), shape)
+    """The value a module returns (``element`` of a tuple; ``plus`` another element added;
+    ``shards``: how it is split over tensor-parallel ranks, if it is)."""
+    return HookSpec(Site(path, "output"), readers.OutputOf(element, plus, shards), shape)
 
 
 def entering(
@@ -184,6 +207,9 @@ class ArchitectureMapping:
     #: The checkpoint's weights behind TransformerLens's analysis views; None where they do not
     #: apply (the analysis methods then say so).
     weights: WeightNames | None = dataclasses.field(default=None, kw_only=True)
+    #: Whether the mapping marks every value vLLM splits over tensor-parallel ranks
+    #: (:class:`Shards`), so that it serves engines with ``tensor_parallel_size > 1``.
+    tensor_parallel: bool = dataclasses.field(default=False, kw_only=True)
     #: Why a name that looks plausible can never be given (e.g. one routed expert of a fused MoE
     #: kernel); None for names the architecture has nothing to say about.
     unavailable: Callable[[str], str | None] | None = dataclasses.field(default=None, kw_only=True)

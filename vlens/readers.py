@@ -19,7 +19,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from vlens.mapping import Argument, SiteCall
+    from vlens.mapping import Argument, Shards, SiteCall
 
 Reader = Callable[["SiteCall"], Tensor]
 
@@ -40,15 +40,17 @@ class OutputOf:
 
     element: int | None = None
     plus: int | None = None
+    shards: Shards | None = None
 
     def __call__(self, call: SiteCall) -> Tensor:
-        value = call.output(self.element)
+        value = call.output(self.element, self.shards)
         return value if self.plus is None else value + call.output(self.plus)
 
     def write(self, call: SiteCall, new: Tensor) -> None:
         """A sum is edited through its first term, which the next computation reads."""
-        target = call.output(self.element)
-        target.copy_(new if self.plus is None else target + (new - self(call)))
+        if self.plus is not None:
+            new = call.output(self.element) + (new - self(call))
+        call.assign_output(self.element, new, self.shards)
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,8 @@ class InputOf:
     plus: Argument | None = None
 
     def __call__(self, call: SiteCall) -> Tensor:
-        value = call.argument(self.argument.index, self.argument.name)
+        first = self.argument
+        value = call.argument(first.index, first.name, first.shards)
         if self.plus is not None:
             other = call.argument(self.plus.index, self.plus.name)
             if other is not None:
@@ -72,8 +75,10 @@ class InputOf:
 
     def write(self, call: SiteCall, new: Tensor) -> None:
         """A sum is edited through its first argument; the module adds the second itself."""
-        target = call.argument(self.argument.index, self.argument.name)
-        target.copy_(new if self.plus is None else target + (new - self(call)))
+        first = self.argument
+        if self.plus is not None:
+            new = call.argument(first.index, first.name) + (new - self(call))
+        call.assign_argument(first.index, first.name, new, first.shards)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ Warm-up, profiling and dummy runs go through neither ``_model_forward``'s real s
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 TAG_KEY = "vlens_tag"
@@ -36,17 +36,31 @@ TAG_KEY = "vlens_tag"
 @dataclass(frozen=True)
 class RequestRows:
     """Rows ``start:stop`` of this step belong to request ``tag``, from sequence position
-    ``first_position`` on (the prompt's start on a whole prefill, later on a chunk or a decode)."""
+    ``first_position`` on (the prompt's start on a whole prefill, later on a chunk or a decode).
+    ``batch_index`` is the request's place among all the step's requests (its row in the
+    sampled logits)."""
 
     tag: str
     start: int
     stop: int
     first_position: int
     prompt_length: int
+    batch_index: int = field(default=-1, compare=False)
 
     @property
     def is_prefill(self) -> bool:
         return self.first_position < self.prompt_length
+
+    def sampled_row(self) -> RequestRows | None:
+        """This request's row of the step's sampled logits, positioned by the index of the token
+        it samples; None when the step samples nothing for it (an unfinished prefill chunk)."""
+        generated = self.first_position + self.stop - self.start - self.prompt_length
+        if generated < 0:
+            return None
+        return RequestRows(
+            self.tag, self.batch_index, self.batch_index + 1, generated, self.prompt_length,
+            self.batch_index,
+        )
 
 
 Followed = tuple[str, int] | None  # (tag, prompt length) of a request, None when untagged
@@ -58,6 +72,7 @@ class StepState(Protocol):
     wanted: Any  # truthy while some request is followed
     followed: dict[str, Followed]  # request id -> (tag, prompt length), memoised across steps
     layout: list[RequestRows] | None  # this step's rows while the model runs, else None
+    last_step: list[RequestRows]  # the latest step's rows, kept until the next step starts
 
 
 def tag_of(sampling_params: Any) -> str | None:
@@ -87,7 +102,9 @@ def rows_of(
         if known is not None:
             tag, prompt_length = known
             start, stop = int(starts[index]), int(starts[index + 1])
-            layout.append(RequestRows(tag, start, stop, int(computed[index]), prompt_length))
+            layout.append(
+                RequestRows(tag, start, stop, int(computed[index]), prompt_length, index)
+            )
     return layout
 
 
@@ -149,6 +166,7 @@ def _follow_v1(runner: Any, state: StepState) -> None:
 
     def model_forward(*args: Any, **kwargs: Any) -> Any:
         state.layout = read_step_layout(runner, state.followed) if state.wanted else None
+        state.last_step = state.layout or []
         try:
             return forward(*args, **kwargs)
         finally:
@@ -174,6 +192,7 @@ def _follow_v2(runner: Any, state: StepState) -> None:
     def prepare(*args: Any, **kwargs: Any) -> Any:
         input_batch = prepare_inputs(*args, **kwargs)
         state.layout = read_batch_layout(input_batch, state.followed) if state.wanted else None
+        state.last_step = state.layout or []
         return input_batch
 
     def execute(*args: Any, **kwargs: Any) -> Any:

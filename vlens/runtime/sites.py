@@ -14,8 +14,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from vlens.mapping import Site
+from vlens.mapping import Shards, Site
 from vlens.runtime.layout import RequestRows
+from vlens.runtime.tensor_parallel import TensorParallel
 
 
 def narrow(value: Any, rows: RequestRows) -> Any:
@@ -27,18 +28,39 @@ def narrow(value: Any, rows: RequestRows) -> Any:
 
 @dataclass
 class NarrowedCall:
-    """One module call, seen through one request's rows (see :class:`vlens.mapping.SiteCall`)."""
+    """One module call, seen through one request's rows (see :class:`vlens.mapping.SiteCall`).
+
+    Accessors return views into vLLM's tensors; a value split over tensor-parallel ranks
+    (``shards``) comes whole instead, and ``assign_*`` writes this rank's slice back.
+    """
 
     model: nn.Module
     rows: RequestRows
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     result: Any = None
+    parallel: TensorParallel | None = None  # None on one rank
 
-    def argument(self, index: int, name: str) -> Any:
+    def _local_argument(self, index: int, name: str) -> Any:
         if name in self.kwargs:
             return narrow(self.kwargs[name], self.rows)
         return narrow(self.args[index], self.rows) if index < len(self.args) else None
+
+    def _whole(self, local: Any, shards: Shards | None) -> Any:
+        if shards is None or self.parallel is None or local is None:
+            return local
+        return self.parallel.gather(local, shards)
+
+    def _assign(self, local: Tensor, new: Tensor, shards: Shards | None) -> None:
+        if shards is not None and self.parallel is not None:
+            new = self.parallel.own_slice(new, shards, local)
+        local.copy_(new)
+
+    def argument(self, index: int, name: str, shards: Shards | None = None) -> Any:
+        return self._whole(self._local_argument(index, name), shards)
+
+    def assign_argument(self, index: int, name: str, new: Tensor, shards: Shards | None = None) -> None:
+        self._assign(self._local_argument(index, name), new, shards)
 
     def raw_argument(self, index: int, keyword: str | None) -> Any:
         """An argument by keyword, else by position (keywords follow positionals in call order)."""
@@ -48,9 +70,15 @@ class NarrowedCall:
             return narrow(self.args[index], self.rows)
         return narrow(list(self.kwargs.values())[index - len(self.args)], self.rows)
 
-    def output(self, element: int | None) -> Any:
+    def _local_output(self, element: int | None) -> Any:
         value = self.result if element is None else self.result[element]
         return narrow(value, self.rows)
+
+    def output(self, element: int | None, shards: Shards | None = None) -> Any:
+        return self._whole(self._local_output(element), shards)
+
+    def assign_output(self, element: int | None, new: Tensor, shards: Shards | None = None) -> None:
+        self._assign(self._local_output(element), new, shards)
 
     def storages(self) -> set[int]:
         """Addresses of the storages behind this call's tensors, to tell views from new values."""
@@ -59,9 +87,10 @@ class NarrowedCall:
         return {v.untyped_storage().data_ptr() for v in values if isinstance(v, Tensor)}
 
 
-def detached_copy(value: Tensor, call: NarrowedCall) -> Tensor:
-    """``value`` as a tensor of its own: vLLM reuses and rewrites its buffers in place."""
-    if value.untyped_storage().data_ptr() in call.storages():
+def detached_copy(value: Tensor | None, call: NarrowedCall) -> Tensor | None:
+    """``value`` as a tensor of its own: vLLM reuses and rewrites its buffers in place. (None:
+    a value that lives on another tensor-parallel rank, such as gathered logits.)"""
+    if value is not None and value.untyped_storage().data_ptr() in call.storages():
         return value.clone()
     return value
 
@@ -93,5 +122,5 @@ def install_site(model: nn.Module, site: Site, on_call: Callable[[tuple, dict, A
 
 
 @torch.no_grad()
-def read_rows(call: NarrowedCall, reader: Callable[[NarrowedCall], Tensor]) -> Tensor:
+def read_rows(call: NarrowedCall, reader: Callable[[NarrowedCall], Tensor]) -> Tensor | None:
     return detached_copy(reader(call), call)

@@ -26,6 +26,7 @@ from vlens.runtime.patches import apply_cpu_patches
 from vlens.runtime.plan import RequestPlan
 from vlens.runtime.probe import ModuleProbe, ModuleRecord
 from vlens.runtime.sites import NarrowedCall, install_site, read_rows
+from vlens.runtime.tensor_parallel import TensorParallel
 
 
 @dataclass
@@ -57,7 +58,11 @@ class WorkerRuntime:
         self.handles: dict[Site, Any] = {}
         self.followed: dict[str, Followed] = {}
         self.layout: list[RequestRows] | None = None
+        self.last_step: list[RequestRows] = []
         self.probe: ModuleProbe | None = None
+        parallel = TensorParallel.of_this_worker()
+        self.parallel = parallel if parallel.size > 1 else None
+        self.keeps = parallel.rank == 0
         self._wrap_model_forward()
         apply_cpu_patches(self.model)
 
@@ -109,24 +114,37 @@ class WorkerRuntime:
 
     # ---- inside the forward ------------------------------------------------------------------
 
+    def _rows_for(self, site: Site) -> list[RequestRows]:
+        """The rows a site's call covers: the forward's token rows, or, for a ``sampled`` site
+        (called once per step after the forward), one row per request that samples a token."""
+        if site.event != "sampled":
+            return self.layout or []
+        if self.layout is not None:  # vlens's own logits reader, inside the forward
+            return []
+        return [row for rows in self.last_step if (row := rows.sampled_row()) is not None]
+
     def _site_fired(self, site: Site):
         def on_call(args: tuple, kwargs: dict, output: Any) -> None:
-            if self.layout is None:
+            if site.event == "sampled" and output is None:  # logits live on another rank
                 return
-            for rows in self.layout:
+            for rows in self._rows_for(site):
                 plan = self.wanted.get(rows.tag)
                 names = plan.sites.get(site) if plan is not None else None
                 capture = self.captures.get(rows.tag)
                 if not names or capture is None or capture.error is not None:
                     continue
-                call = NarrowedCall(self.model, rows, args, kwargs, output)
+                call = NarrowedCall(self.model, rows, args, kwargs, output, self.parallel)
                 for name in names:
                     try:
                         if name.hooks:
                             run_hooks(name, call, rows, plan.index, self.contexts)
                         if name.keep:
+                            # Every rank reads (a split value is gathered, a collective); one
+                            # keeps, so that results come back once.
                             value = read_rows(call, name.read)
-                            capture.chunks[name.name].append(Chunk(rows.first_position, value))
+                            if self.keeps and value is not None:
+                                chunk = Chunk(rows.first_position, value)
+                                capture.chunks[name.name].append(chunk)
                     except HookError as error:
                         capture.error = str(error)
                         capture.cause = error.__cause__
@@ -182,3 +200,10 @@ def runtime_of(worker: Any) -> WorkerRuntime:
 def call_runtime(worker: Any, method: str, *args: Any) -> Any:
     """Entry point of ``collective_rpc``: run ``method`` of this worker's runtime."""
     return getattr(runtime_of(worker), method)(*args)
+
+
+def call_runtime_pickled(worker: Any, method: str, payload: bytes) -> Any:
+    """:func:`call_runtime` with its arguments cloudpickled (for worker processes)."""
+    import cloudpickle
+
+    return call_runtime(worker, method, *cloudpickle.loads(payload))

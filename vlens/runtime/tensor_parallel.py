@@ -1,0 +1,62 @@
+"""Whole values from tensor-parallel shards, and shards from whole values.
+
+Under tensor parallelism each rank holds a slice of the column-parallel projections' outputs
+(``qkv_proj``, ``gate_up_proj``), of per-head attention values and of the MLP's hidden
+activations. A mapping marks such a value with :class:`~vlens.mapping.Shards`; the runtime
+gathers it so that every rank's readers and hooks see the whole value, exactly as with one rank,
+and writes an edit back as each rank's own slice. Every rank runs the same plans on the same
+layout, so the collectives line up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from vlens.mapping import Shards
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This worker's place in the tensor-parallel group."""
+
+    rank: int
+    size: int
+
+    @classmethod
+    def of_this_worker(cls) -> TensorParallel:
+        from vllm.distributed import (
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+        )
+
+        return cls(get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size())
+
+    def local_widths(self, shards: Shards, local: Tensor) -> list[int]:
+        widths = [part // self.size for part in shards.parts]
+        if any(part % self.size for part in shards.parts) or sum(widths) != local.shape[shards.dim]:
+            raise NotImplementedError(
+                f"a value of parts {shards.parts} is not split evenly over {self.size} ranks "
+                f"(e.g. fewer key/value heads than ranks, which vLLM replicates): vlens cannot "
+                f"give it whole under this tensor-parallel size"
+            )
+        return widths
+
+    def gather(self, local: Tensor, shards: Shards) -> Tensor:
+        """Every rank's slice joined into the whole value, parts in their original order."""
+        from vllm.distributed import tensor_model_parallel_all_gather
+
+        widths = self.local_widths(shards, local)
+        dim = shards.dim % local.dim()
+        joined = tensor_model_parallel_all_gather(local.contiguous(), dim=dim)
+        per_rank = [chunk.split(widths, dim=dim) for chunk in joined.chunk(self.size, dim=dim)]
+        return torch.cat([rank_parts[p] for p in range(len(widths)) for rank_parts in per_rank], dim)
+
+    def own_slice(self, whole: Tensor, shards: Shards, local: Tensor) -> Tensor:
+        """This rank's slice of a whole value (the inverse of :meth:`gather`)."""
+        widths = self.local_widths(shards, local)
+        dim = shards.dim % whole.dim()
+        parts = whole.split([width * self.size for width in widths], dim=dim)
+        return torch.cat([part.chunk(self.size, dim=dim)[self.rank] for part in parts], dim)
