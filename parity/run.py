@@ -33,7 +33,11 @@ def run_parity(
         _, cache = model.run_with_cache(prompts, max_new_tokens=new_tokens)
         sequences = [cache.tokens[i, : int(n)].tolist() for i, n in enumerate(cache.lengths)]
         ours = [{name: cache.unpadded(name, i) for name in cache.keys()} for i in range(len(prompts))]
-        rows += rows_against("HuggingFace", mode, ours, hf_reference(path, sequences))
+        reference = hf_reference(path, sequences)
+        for values, prompt in zip(reference, prompts):
+            # The sampler sees the logits of each prompt's last token, then of each new one.
+            values["sampler.hook_logits"] = values["unembed.hook_out"][len(prompt) - 1 :]
+        rows += rows_against("HuggingFace", mode, ours, reference)
         tl = transformer_lens_reference(path, sequences, list(ours[0]))
         if tl is not None:
             rows += rows_against("TransformerLens", mode, ours, tl)

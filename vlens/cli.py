@@ -55,6 +55,12 @@ def names_command(args: argparse.Namespace) -> None:
         print(f"{name:45} [batch {spec.shape}]")
 
 
+def tree_command(args: argparse.Namespace) -> None:
+    from vlens.tree import weightless_model
+
+    print(weightless_model(model_folder(args.model), max_model_len=args.max_model_len))
+
+
 def lens_command(args: argparse.Namespace) -> None:
     if args.plot:
         try:
@@ -114,6 +120,14 @@ def parser() -> argparse.ArgumentParser:
     names = commands.add_parser("names", help="list a model's hook names with their shapes")
     names.add_argument("model", nargs="?", help="checkpoint folder or tiny model name")
     names.set_defaults(run=names_command)
+
+    tree = commands.add_parser(
+        "tree", help="vLLM's module tree of a config, without weights or an engine"
+    )
+    tree.add_argument("model", help="a folder with a config.json, or a tiny model name")
+    tree.add_argument("--max-model-len", type=int, default=2048, metavar="N",
+                      help="context length to configure (default: 2048)")
+    tree.set_defaults(run=tree_command)
 
     lens = commands.add_parser("lens", help="logit lens of a prompt, as a table (and a plot)")
     lens.add_argument("model", nargs="?", help="checkpoint folder (default: embedded SmolLM2)")
