@@ -49,8 +49,11 @@ class Engine:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
             if ranks > 1:
                 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cores_per_rank(ranks))
-        from vllm import LLM
+        from vllm import LLM, envs
 
+        # An engine already built in this process froze vLLM's view of the environment; the
+        # settings above are for this engine.
+        envs.disable_envs_cache()
         ensure_expert_group()
         self.llm = LLM(model=model_path, **engine_args(user_args))
         self.tensor_parallel_size = int(user_args.get("tensor_parallel_size", 1))
