@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from vlens.parity.reference import Recorder, Values
+from vlens.parity.reference import Recorder, Values, after_blocks
 
 
 def per_head(x: Tensor, d_head: int) -> Tensor:
@@ -83,10 +83,6 @@ def record(
             out[f"{name}.mlp.hook_post"] = seen[f"post_act{i}"]
             out[f"{name}.hook_mlp_out"] = seen[f"mlp{i}"]
             out[f"{name}.hook_resid_post"] = seen[f"post{i}"]
-        out["ln_final.hook_scale"], out["ln_final.hook_normalized"] = layer_norm_parts(
-            seen["final"], eps
-        )
-        out["unembed.hook_out"] = logits
-        return {name: value[0] for name, value in out.items()}
+        return after_blocks(out, layer_norm_parts(seen["final"], eps), logits)
 
     return values

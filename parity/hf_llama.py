@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from vlens.parity.reference import Recorder, Values, rms_parts
+from vlens.parity.reference import Recorder, Values, after_blocks, rms_parts
 
 
 def per_head(x: Tensor, d_head: int) -> Tensor:
@@ -88,10 +88,6 @@ def record(
             out[f"{block}.mlp.hook_post"] = seen[f"post_act{i}"]
             out[f"{block}.hook_mlp_out"] = seen[f"mlp{i}"]
             out[f"{block}.hook_resid_post"] = seen[f"post{i}"]
-        scale, normalized = rms_parts(seen["final"], eps)
-        out["ln_final.hook_scale"] = scale
-        out["ln_final.hook_normalized"] = normalized
-        out["unembed.hook_out"] = logits
-        return {name: value[0] for name, value in out.items()}
+        return after_blocks(out, rms_parts(seen["final"], eps), logits)
 
     return values

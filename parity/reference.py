@@ -52,6 +52,14 @@ class Recorder:
             handle.remove()
 
 
+def after_blocks(out: Values, final_norm: tuple[Tensor, Tensor], logits: Tensor) -> Values:
+    """``out`` completed with the final norm's scale and normalized value and the logits, every
+    value without its batch axis (the reference runs one prompt at a time)."""
+    out["ln_final.hook_scale"], out["ln_final.hook_normalized"] = final_norm
+    out["unembed.hook_out"] = logits
+    return {name: value[0] for name, value in out.items()}
+
+
 def rms_parts(x: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     scale = (x.pow(2).mean(-1, keepdim=True) + eps).sqrt()
     return scale, x / scale

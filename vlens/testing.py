@@ -15,7 +15,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -79,43 +79,32 @@ whole valley seemed to wake up from a long sleep. 0123456789 + - * / = ( ) [ ] {
 """
 
 
+def _rotary_dims() -> dict[str, Any]:
+    """What the tiny Qwen3 and Llama share: sizes vLLM's CPU kernels accept, GQA (4 query heads
+    of 32, 2 key/value heads), three layers."""
+    return {
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": MAX_POSITIONS,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "initializer_range": INIT_STD,
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
+    }
+
+
 def _qwen3_config() -> PretrainedConfig:
-    """Qwen3: QK-norm, GQA, untied unembedding, head_dim given explicitly as Qwen3 reads it."""
-    return Qwen3Config(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=MAX_POSITIONS,
-        rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        tie_word_embeddings=False,
-        initializer_range=INIT_STD,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
-    )
+    """Qwen3: QK-norm, untied unembedding, head_dim given explicitly as Qwen3 reads it."""
+    return Qwen3Config(**_rotary_dims(), head_dim=32, rms_norm_eps=1e-6, tie_word_embeddings=False)
 
 
 def _llama_config() -> PretrainedConfig:
-    """Llama: GQA and tied embeddings, as in SmolLM2."""
-    return LlamaConfig(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=MAX_POSITIONS,
-        rms_norm_eps=1e-5,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        tie_word_embeddings=True,
-        initializer_range=INIT_STD,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
-    )
+    """Llama: tied embeddings, as in SmolLM2."""
+    return LlamaConfig(**_rotary_dims(), rms_norm_eps=1e-5, tie_word_embeddings=True)
 
 
 def _gpt2_config() -> PretrainedConfig:
