@@ -474,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "runner": runner,
         "reps": args.reps,
-        "command": " ".join(["python", "bench/run.py", *(argv if argv is not None else sys.argv[1:])]),
+        "command": " ".join(["python bench/run.py", *(sys.argv[1:] if argv is None else argv)]),
         **{k: v for k, v in preset.items() if k != "engine"},
         "engine": preset["engine"],
     }

@@ -184,10 +184,11 @@ def isolation(model: Any) -> dict[str, Any]:
         tokens = model.generate(prompts, prompt_hooks=hooks, **kwargs)
         return tokens, stores
 
+    unsteered = range(1, len(prompts))
     steered_tokens, steered_stores = batch(steered=True)
     plain_tokens, plain_stores = batch(steered=False)
     leaks = []
-    for i in range(1, len(prompts)):
+    for i in unsteered:
         a, b = rows(steered_stores[i]), rows(plain_stores[i])
         leaks.append(float((a - b).abs().max()))
     result = {
@@ -196,7 +197,7 @@ def isolation(model: Any) -> dict[str, Any]:
         "steps": ISOLATION_STEPS,
         "steering_changes_tokens": steered_solo != plain_solo[0],
         "steered_in_batch_equals_solo": steered_tokens[0] == steered_solo,
-        "unsteered_equal_solo": [steered_tokens[i] == plain_solo[i] for i in range(1, len(prompts))],
+        "unsteered_equal_solo": [steered_tokens[i] == plain_solo[i] for i in unsteered],
         "plain_batch_equals_solo": [plain_tokens[i] == plain_solo[i] for i in range(len(prompts))],
         "unsteered_max_abs_diff_vs_same_batch_unsteered": leaks,
     }
@@ -304,8 +305,23 @@ def worst(rows: list[dict[str, Any]], key: str, largest: bool) -> tuple[float, s
     return row[key], row["name"]
 
 
-def report(files: list[Path]) -> str:
+def per_name(title: str, entry: dict[str, Any]) -> str:
+    """One row per name: its worst over every mode (prefill/decode, batch/single)."""
+    lines = [f"#### {title}", "", "| name | worst max rel | min cosine | HF-bf16 floor | pass |",
+             "| --- | --- | --- | --- | --- |"]
+    for name in dict.fromkeys(r["name"] for r in entry["rows"]):
+        rows = [r for r in entry["rows"] if r["name"] == name]
+        floors = [r["floor_cos"] for r in rows if r.get("floor_cos") is not None]
+        ok = all(passes(r, entry["dtype"]) for r in rows)
+        lines.append(f"| `{name}` | {max(r['max_rel'] for r in rows):.2e} | "
+                     f"{min(r['min_cos'] for r in rows):.7f} | "
+                     f"{f'{min(floors):.7f}' if floors else '-'} | {'yes' if ok else '**NO**'} |")
+    return "\n".join(lines) + "\n"
+
+
+def report(files: list[Path], detail: tuple[str, ...] = ()) -> str:
     runs = [json.loads(file.read_text()) for file in files]
+    details: list[str] = []
     lines = ["| date | vLLM | runner | arch | dtype | mode | names | worst max rel (name) | "
              "min cosine (name) | HF-bf16 floor: min cosine | strict | pass |",
              "| --- " * 12 + "|"]
@@ -321,8 +337,8 @@ def report(files: list[Path]) -> str:
         for entry in run_["results"]:
             runner = entry.get("runner", f"env V2={meta['VLLM_USE_V2_MODEL_RUNNER']}") + label
             if "error" in entry:
-                errors.append(f"- {runner}, {entry['arch']}, {entry['dtype']}:\n\n```\n"
-                              f"{entry['error'].strip()[-2500:]}\n```")
+                message = entry["error"].strip().splitlines()[-1][:300]
+                errors.append(f"- {runner}, {entry['arch']}, {entry['dtype']}: `{message}`")
                 continue
             rows = entry["rows"]
             for mode in dict.fromkeys(r["mode"] for r in rows):
@@ -340,12 +356,18 @@ def report(files: list[Path]) -> str:
                     f"{cos:.7f} (`{cos_name}`) | {floor} | {n_strict}/{len(chosen)} | "
                     f"{'yes' if ok else '**NO**'} |"
                 )
-            if entry.get("failing"):
-                failures.append(f"- {runner}, {entry['arch']}, {entry['dtype']}: "
-                                + ", ".join(f"`{f}`" for f in entry["failing"]))
+            failing = sorted({r["name"] for r in rows if not passes(r, entry["dtype"])},
+                             key=[r["name"] for r in rows].index)
+            if failing:
+                shown = ", ".join(f"`{name}`" for name in failing[:12])
+                more = f" and {len(failing) - 12} more" if len(failing) > 12 else ""
+                failures.append(f"- {runner}, {entry['arch']}, {entry['dtype']}: {len(failing)} "
+                                f"name(s) in some mode: {shown}{more}")
             if entry.get("uncovered"):
                 failures.append(f"- {runner}, {entry['arch']}, {entry['dtype']}: no reference "
                                 f"for {', '.join(entry['uncovered'])}")
+            if entry["arch"] in detail and runner.startswith("V2") and not label:
+                details.append(per_name(f"{entry['arch']}, {entry['dtype']}, {runner}", entry))
             iso = entry.get("isolation")
             if iso:
                 isolation_lines.append(
@@ -362,6 +384,8 @@ def report(files: list[Path]) -> str:
         out += ["### Names over the criterion, or without reference", "", *failures, ""]
     if errors:
         out += ["### Errors", "", *errors, ""]
+    if details:
+        out += ["### Per name (worst over the four modes)", "", *details]
     return "\n".join(out)
 
 
@@ -382,9 +406,11 @@ def main(argv: list[str] | None = None) -> int:
                              "can share the GPU)")
     parser.add_argument("--report", nargs="+", type=Path, metavar="JSON",
                         help="print Markdown tables merging these JSON files, and exit")
+    parser.add_argument("--detail", nargs="*", default=[], metavar="ARCH",
+                        help="with --report: per-name tables for these architectures")
     args = parser.parse_args(argv)
     if args.report:
-        print(report(args.report))
+        print(report(args.report, tuple(args.detail)))
         return 0
     return run(args)
 

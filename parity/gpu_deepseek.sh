@@ -12,8 +12,8 @@ mkdir -p "$OUT"
 export PARITY_THREADS=6
 models="$VLENS_CACHE/tiny/deepseek_v3-mla128-seed0 $VLENS_CACHE/tiny/deepseek_v2-mla128-seed0"
 for v2 in 1 0; do
-  (TRITON_CACHE_DIR=/tmp/triton-ds$v2 VLLM_USE_V2_MODEL_RUNNER=$v2 timeout "${PARITY_TIMEOUT:-300}" \
-    python3 -m vlens.parity.gpu $models --dtype bfloat16 --isolation \
+  (TRITON_CACHE_DIR=/tmp/triton-ds$v2 VLLM_USE_V2_MODEL_RUNNER=$v2 \
+    timeout "${PARITY_TIMEOUT:-300}" python3 -m vlens.parity.gpu $models --dtype bfloat16 --isolation \
     --json "$OUT/parity-ds-runner$v2.json" > "/tmp/parity-ds-runner$v2.log" 2>&1
    echo "DeepSeek, VLLM_USE_V2_MODEL_RUNNER=$v2: exit $?") &
 done

@@ -31,4 +31,5 @@ if ! python3 -c "import transformer_lens" 2>/tmp/vlens-tl-import.log; then
   export PYTHONPATH=/tmp/vlens-stub:$PYTHONPATH
 fi
 cd /tmp  # not the checkout: its vlens/ lacks vlens.mappings and vlens.parity
-python3 -c "import vllm, torch, transformer_lens, vlens; print('vllm', vllm.__version__, 'torch', torch.__version__, torch.cuda.get_device_name())" || return 1
+python3 -c "import vllm, torch, transformer_lens, vlens
+print('vllm', vllm.__version__, 'torch', torch.__version__, torch.cuda.get_device_name())" || return 1

@@ -14,8 +14,9 @@ if [[ -f $root/.gpu$n/tiny.tar ]]; then ours="$root/.gpu$n"; fi  # made before: 
 rm -rf "$ours" && mkdir -p "$ours"
 stage=${VLENS_GPU_STAGE:-/tmp/vlens-gpu-stage}/extra
 mkdir -p "$stage"
-plat="--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
-  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any"
+plat="--only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+  --platform manylinux2014_x86_64 --platform any"
 pip download -q --no-deps -d "$stage" $plat transformer-lens==4.3.0 datasets==5.2.0 dill==0.4.1 \
   multiprocess==0.70.19 beartype==0.23.1 typeguard==4.6.1 fancy-einsum==0.0.3
 cp "$stage"/*.whl "$ours"/

@@ -17,7 +17,10 @@ from transformers import AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Confi
 
 from vlens import testing
 
-NAMES = {"deepseek_v3-mla128": (True, DeepseekV3Config), "deepseek_v2-mla128": (False, DeepseekV2Config)}
+NAMES = {
+    "deepseek_v3-mla128": (True, DeepseekV3Config),
+    "deepseek_v2-mla128": (False, DeepseekV2Config),
+}
 
 
 def build(name: str, seed: int = 0) -> Path:

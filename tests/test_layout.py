@@ -36,7 +36,8 @@ def new_request(req_id: str, prompt_length: int, tag: str | None) -> SimpleNames
 
 class V2Like:
     """The surface of vLLM 0.26's V2 runner that vlens uses: ``execute_model`` adds new requests,
-    builds a fresh input batch sorted as V2 sorts it (``sort_batch_req_ids``), then calls the model."""
+    builds a fresh input batch sorted as V2 sorts it (``sort_batch_req_ids``), then calls the
+    model."""
 
     def __init__(self, forward) -> None:
         self.forward = forward
@@ -81,7 +82,8 @@ def test_v2_rows_follow_the_runners_sorted_order():
     # Submitted with 5, 9 and 3 tokens; V2 runs them as [0,3) [3,8) [8,17), as seen on the H200.
     runner.execute_model(
         step(
-            [new_request("a-x", 5, "0:0"), new_request("b-x", 9, "0:1"), new_request("c-x", 3, "0:2")],
+            [new_request("a-x", 5, "0:0"), new_request("b-x", 9, "0:1"),
+             new_request("c-x", 3, "0:2")],
             {"a-x": 5, "b-x": 9, "c-x": 3},
         )
     )

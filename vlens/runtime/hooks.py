@@ -72,8 +72,12 @@ def run_hooks(
 ) -> None:
     """Run ``plan.hooks`` in order on this request's value of ``plan.name`` and write back."""
     original = plan.read(call)
-    value = tensor_for_hook(plan, original.clone())
-    unchanged = value.clone()
+    # In-place edits bump a tensor's version counter: telling an edit from a look this way costs
+    # no comparison (on a GPU, no device-to-host sync per request). vLLM runs the forward in
+    # inference mode, whose tensors keep no counter, so the hook's copy is made outside it.
+    with torch.inference_mode(False):
+        value = tensor_for_hook(plan, original.clone())
+    version, replaced = value._version, False
     hook = Hook(
         name=plan.name,
         request=index,
@@ -85,8 +89,8 @@ def run_hooks(
         returned = _call(function, value, hook)
         if returned is not None:
             _check(returned, value, plan.name, function)
-            value = returned
-    if torch.equal(value, unchanged):
+            value, replaced = returned, True
+    if not replaced and value._version == version:
         return
     if not writable(plan.read):
         raise HookError(
