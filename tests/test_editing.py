@@ -163,8 +163,11 @@ def test_names_that_cannot_be_edited(hooked):
         model.add_hook("blocks.0.attn.hook_pattern", lambda x, h: None)
     with pytest.raises(HookError, match="cannot be written back"):
         model.run_with_hooks("Hi", fwd_hooks=[("blocks.0.ln1.hook_scale", lambda x, h: x * 2)])
+    def double_in_place(x, hook) -> None:
+        x.mul_(2)
+
     with pytest.raises(HookError, match="cannot be written back"):  # an in-place edit too
-        model.run_with_hooks("Hi", fwd_hooks=[("blocks.0.ln1.hook_scale", lambda x, h: x.mul_(2) and None)])
+        model.run_with_hooks("Hi", fwd_hooks=[("blocks.0.ln1.hook_scale", double_in_place)])
     model.run_with_hooks("Hi", fwd_hooks=[("blocks.0.ln1.hook_scale", lambda x, h: None)])  # a look
     with pytest.raises(ValueError, match="backward"):
         model.add_hook("blocks.0.hook_resid_pre", lambda x, h: None, dir="bwd")
