@@ -63,9 +63,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     "cpu": {
         "model": "smollm2",
         "dtype": "float32",
-        "prompts": 32,
-        "prompt_len": 16,
-        "new_tokens": 32,
+        "prompts": 64,
+        "prompt_len": 128,
+        "new_tokens": 64,
         "layer": 15,
         "hf_batch": 8,
         "profile_new_tokens": 8,
@@ -201,6 +201,9 @@ def worker_eager(
     layer = preset["layer"]
     one = f"blocks.{layer}.hook_resid_post"
     every = [f"blocks.{i}.hook_resid_post" for i in range(model.cfg.n_layers)]
+    # every name of the layer that the steering vector goes into; patterns are [head q k]
+    # per prompt, the rest [pos ...]
+    one_layer = [name for name in model.hook_names if name.startswith(f"blocks.{layer}.")]
     import torch
 
     vector = torch.randn(model.cfg.d_model, generator=torch.Generator().manual_seed(1))
@@ -221,6 +224,10 @@ def worker_eager(
     def cache(names: list[str], max_new: int) -> int:
         _, c = model.run_with_cache(prompts, names_filter=names, return_type=None,
                                     max_new_tokens=max_new)
+        if names is every and not max_new:
+            timer.meta["cache_all_prefill_bytes"] = sum(
+                c[name].numel() * c[name].element_size() for name in c.keys()
+            )
         return int(c.lengths.sum()) - n_prompt + len(prompts) if max_new else n_prompt
 
     def steered(max_new: int) -> int:
@@ -240,6 +247,7 @@ def worker_eager(
         timer.measure("plain", "prefill", lambda: (plain(1, True), n_prompt)[1], rep=rep)
         timer.measure("cache_1", "prefill", lambda: cache([one], 0), rep=rep)
         timer.measure("cache_all", "prefill", lambda: cache(every, 0), rep=rep)
+        timer.measure("cache_layer_names", "prefill", lambda: cache(one_layer, 0), rep=rep)
         got = timer.measure("plain", "generate", lambda: plain(new, False), rep=rep)
         full = got is None or got == new * len(prompts)
         if not full:  # EOS met: steering runs with ignore_eos, so measure plain that way too
@@ -269,6 +277,14 @@ def worker_eager(
     # last: the heaviest (every layer, every step), so that running out of time loses only it
     if "cache_all_generate" not in skip:
         timer.measure("cache_all", "generate", lambda: cache(every, new), rep=0)
+    timer.meta["peak_rss_bytes_eager_worker"] = peak_rss_bytes()
+
+
+def peak_rss_bytes() -> int:
+    """The process's peak resident memory (engine, KV cache and every cache it returned)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def worker_compiled(preset: dict[str, Any], path: Path, timer: Timer) -> None:
@@ -337,13 +353,51 @@ def worker_hf(preset: dict[str, Any], path: Path, timer: Timer) -> None:
         timer.measure("hf_cache_all", "prefill", lambda: run(list(range(len(layers)))), rep=rep)
 
 
+def worker_transformer_lens(preset: dict[str, Any], path: Path, timer: Timer) -> None:
+    """TransformerLens's ``TransformerBridge`` on HuggingFace (compatibility mode, no weight
+    processing), doing the same cache (one layer, every layer) and the same steered generation."""
+    import torch
+    from transformer_lens.model_bridge import TransformerBridge
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    bridge = TransformerBridge.boot_transformers(
+        str(path), dtype=getattr(torch, preset["dtype"]), device=device
+    )
+    bridge.enable_compatibility_mode(no_processing=True)
+    prompts = torch.tensor(prompts_for(preset, bridge.cfg.d_vocab), device=device)
+    batch, layer, new = preset["hf_batch"], preset["layer"], preset["new_tokens"]
+    one = f"blocks.{layer}.hook_resid_post"
+    every = [f"blocks.{i}.hook_resid_post" for i in range(bridge.cfg.n_layers)]
+    vector = torch.randn(bridge.cfg.d_model, generator=torch.Generator().manual_seed(1)).to(device)
+
+    @torch.no_grad()
+    def cache(names: list[str]) -> int:
+        for start in range(0, len(prompts), batch):
+            bridge.run_with_cache(prompts[start : start + batch], names_filter=names)
+        return prompts.numel()
+
+    @torch.no_grad()
+    def steered() -> int:
+        with bridge.hooks(fwd_hooks=[(one, lambda x, hook: x + vector)]):
+            for start in range(0, len(prompts), batch):
+                bridge.generate(prompts[start : start + batch], max_new_tokens=new,
+                                do_sample=False, stop_at_eos=False, verbose=False)
+        return new * len(prompts)
+
+    cache([one])
+    for rep in range(timer.reps):
+        timer.measure("tl_cache_1", "prefill", lambda: cache([one]), rep=rep)
+        timer.measure("tl_cache_all", "prefill", lambda: cache(every), rep=rep)
+    timer.measure("tl_steer", "generate", steered, rep=0)
+
+
 # ---- the orchestrating process -----------------------------------------------------------------
 
-WORKERS = ("eager", "compiled", "hf")
+WORKERS = ("eager", "compiled", "hf", "transformer_lens")
 
 
 #: Seconds each worker may take (``--timeouts`` overrides), so that one run ends in time.
-TIMEOUTS = {"eager": 300, "compiled": 150, "hf": 80}
+TIMEOUTS = {"eager": 300, "compiled": 150, "hf": 80, "transformer_lens": 300}
 
 
 def run_worker(name: str, args: argparse.Namespace, path: Path) -> dict[str, Any]:
@@ -392,7 +446,24 @@ LABELS = {
     "hf": "HuggingFace forward, no hook",
     "hf_cache_1": "HuggingFace forward, hook cloning one layer's residual",
     "hf_cache_all": "HuggingFace forward, hooks cloning every layer's residual",
+    "cache_layer_names": "vlens run_with_cache, every name of one layer",
+    "tl_cache_1": "TransformerLens (TransformerBridge on HF) run_with_cache, one layer",
+    "tl_cache_all": "TransformerLens (TransformerBridge on HF) run_with_cache, every layer",
+    "tl_steer": "TransformerLens (TransformerBridge on HF) generate, one steering vector",
 }
+
+
+def memory_lines(meta: dict[str, Any]) -> list[str]:
+    """The all-layers cache's memory, where the eager worker measured it."""
+    if "cache_all_prefill_bytes" not in meta:
+        return []
+    return [
+        f"Memory: the every-layer `resid_post` cache of the prefill workload holds "
+        f"{meta['cache_all_prefill_bytes'] / 2**20:,.0f} MiB; the vlens worker process peaked at "
+        f"{meta['peak_rss_bytes_eager_worker'] / 2**30:,.2f} GiB resident (engine, KV cache and "
+        f"every cache returned).",
+        "",
+    ]
 
 
 def markdown(meta: dict[str, Any], best: dict[tuple[str, str], dict[str, Any]]) -> str:
@@ -404,6 +475,7 @@ def markdown(meta: dict[str, Any], best: dict[tuple[str, str], dict[str, Any]]) 
         "",
         f"Command: `{meta['command']}`",
         "",
+        *memory_lines(meta),
         "| tier | workload | tokens | seconds | tokens/s | ratio to plain eager |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
@@ -449,6 +521,8 @@ def main(argv: list[str] | None = None) -> int:
             worker_eager(preset, args.model_path, timer, profile, skip)
         elif args.worker == "compiled":
             worker_compiled(preset, args.model_path, timer)
+        elif args.worker == "transformer_lens":
+            worker_transformer_lens(preset, args.model_path, timer)
         else:
             worker_hf(preset, args.model_path, timer)
         timer.save()
@@ -461,18 +535,18 @@ def main(argv: list[str] | None = None) -> int:
     path = model_folder(preset, args.work / "model")
     (args.out / "profile.txt").unlink(missing_ok=True)
     results: list[dict[str, Any]] = []
-    runner = "?"
+    measured: dict[str, Any] = {"runner": "?"}  # what workers report besides timings
     for name in WORKERS:
         if name not in skip:
             got = run_worker(name, args, path)
             results += got["results"]
-            runner = got["meta"].get("runner", runner)
+            measured.update(got["meta"])
     meta = {
         "date": str(datetime.date.today()),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU",
         "vllm": vllm.__version__,
         "torch": torch.__version__,
-        "runner": runner,
+        **measured,
         "reps": args.reps,
         "command": " ".join(["python bench/run.py", *(sys.argv[1:] if argv is None else argv)]),
         **{k: v for k, v in preset.items() if k != "engine"},

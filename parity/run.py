@@ -37,6 +37,7 @@ def run_parity(
         for values, prompt in zip(reference, prompts):
             # The sampler sees the logits of each prompt's last token, then of each new one.
             values["sampler.hook_logits"] = values["unembed.hook_out"][len(prompt) - 1 :]
+            values["sampler.hook_tokens"] = values["sampler.hook_logits"].argmax(-1)  # greedy
         rows += rows_against("HuggingFace", mode, ours, reference)
         tl = transformer_lens_reference(path, sequences, list(ours[0]))
         if tl is not None:

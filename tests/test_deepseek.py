@@ -68,7 +68,9 @@ def test_routing_is_vllms(arch):
     logits = torch.randn(1, 500, config.n_routed_experts) * 3
     bias = torch.randn(config.n_routed_experts) * 0.3
     weights = {ours.bias_name: bias} if ours.bias_name else {}
-    batch = Batch(mask=torch.ones(1, 500, dtype=torch.bool), weights=weights)
+    batch = Batch(
+        mask=torch.ones(1, 500, dtype=torch.bool), weights=weights, sampled=torch.zeros(1, 0)
+    )
     our_weights, our_indices = ours(logits, batch)
     their_weights, their_indices = _grouped_topk(
         logits[0], ours.top_k, ours.renormalize, ours.n_group, ours.topk_group, ours.scoring,

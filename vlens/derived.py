@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 from einops import einsum, rearrange, repeat
-from jaxtyping import Bool, Float
+from jaxtyping import Int, Bool, Float
 from torch import Tensor
 
 from vlens.weights import CheckpointWeights
@@ -24,6 +24,7 @@ class Batch:
 
     mask: Bool[Tensor, "batch pos"]
     weights: CheckpointWeights
+    sampled: Int[Tensor, "batch new_pos"]  # each request's sampled tokens, zero-padded
 
 
 class Compute(Protocol):
@@ -37,6 +38,14 @@ class SameForEveryLayer:
 
     def for_layer(self, layer: int) -> SameForEveryLayer:
         return self
+
+
+@dataclass(frozen=True)
+class SampledTokens(SameForEveryLayer):
+    """The token each step sampled for each request, as the engine returned it."""
+
+    def __call__(self, sources: list[Tensor], batch: Batch) -> Int[Tensor, "b new_pos"]:
+        return batch.sampled
 
 
 @dataclass(frozen=True)

@@ -41,10 +41,11 @@ class HookRegistry:
         for name in names:
             if isinstance(self.specs[name], DerivedSpec):
                 feeds = ", ".join(self.site_sources(name))
+                built = f"rebuilds it afterwards from {feeds}" if feeds else "reads it afterwards"
+                change = f", or hook {feeds} to change what it is built from" if feeds else ""
                 raise ValueError(
                     f"{name} cannot carry a hook: vLLM never forms it during the forward; vlens "
-                    f"rebuilds it afterwards from {feeds}. Read it with run_with_cache, or hook "
-                    f"{feeds} to change what it is built from."
+                    f"{built}. Read it with run_with_cache{change}."
                 )
         return names
 

@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 
 from vlens.analysis import AnalysisWeights, WeightViews
 from vlens.cache import VLensCache, join_chunks, pad_batch
-from vlens.derived import Batch
+from vlens.derived import Batch, SampledTokens
 from vlens.engine import Engine
 from vlens.hook_registry import FwdHooks, HookRegistry, NameOrFilter
 from vlens.mapping import ArchitectureMapping, DerivedSpec, HookSpec, Site, Spec
@@ -37,11 +37,12 @@ from vlens.weights import CheckpointWeights
 Input = str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]] | Tensor
 LOGITS = "unembed.hook_out"
 
-#: Engine-level names, the same for every architecture: each step's logits for the token a
-#: request samples next, as the sampler receives them (editable: a hook can ban or boost tokens
-#: for one request). ``[new_pos, d_vocab]``: one row per sampled token.
-SAMPLER_NAMES = {
-    "sampler.hook_logits": HookSpec(Site("logits_processor", "sampled"), OutputOf(), "new_pos d_vocab")
+#: Engine-level names, the same for every architecture, one row per sampled token: each step's
+#: logits for the token a request samples next, as the sampler receives them (editable: a hook
+#: can ban or boost tokens for one request), and the token it sampled (read-only).
+SAMPLER_NAMES: dict[str, Spec] = {
+    "sampler.hook_logits": HookSpec(Site("logits_processor", "sampled"), OutputOf(), "new_pos d_vocab"),
+    "sampler.hook_tokens": DerivedSpec((), SampledTokens(), "new_pos"),
 }
 _call_ids = itertools.count()
 
@@ -274,7 +275,9 @@ class HookedVLLM(WeightViews):
             for name in kept
         }
         batch = Batch(
-            mask=torch.arange(int(lengths.max()))[None] < lengths[:, None], weights=self.weights
+            mask=torch.arange(int(lengths.max()))[None] < lengths[:, None],
+            weights=self.weights,
+            sampled=pad_batch([torch.tensor(tokens) for tokens in sampled]),
         )
         for name in wanted:
             self._derive(name, values, batch)
