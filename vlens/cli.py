@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 from pathlib import Path
 
 from transformers import AutoConfig
@@ -168,7 +169,9 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     commands = parser()
     args = commands.parse_args(argv)
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    # A command's output is its table: vLLM's start-up warnings would bury it.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    warnings.filterwarnings("ignore", category=FutureWarning)
     if args.command is None:
         args = commands.parse_args(["lens"])
     try:
