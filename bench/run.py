@@ -71,6 +71,19 @@ PRESETS: dict[str, dict[str, Any]] = {
         "profile_new_tokens": 8,
         "engine": {"max_model_len": 512},
     },
+    # a random Qwen3-shaped model of ~0.3 B parameters, fp32, on the CPU (a smaller workload:
+    # the model is twice SmolLM2's size)
+    "cpu-qwen3": {
+        "model": "random-qwen3-300m",
+        "dtype": "float32",
+        "prompts": 32,
+        "prompt_len": 64,
+        "new_tokens": 32,
+        "layer": 8,
+        "hf_batch": 8,
+        "profile_new_tokens": 8,
+        "engine": {"max_model_len": 512},
+    },
     # a seconds-long check of this script itself (tiny random Qwen3), not a measurement
     "smoke": {
         "model": "tiny-qwen3",
@@ -110,6 +123,42 @@ QWEN3_8B = {
 }
 
 
+#: A Qwen3 of ~0.3 B parameters (16 layers, d_model 1024, GQA 16/8 heads of 64, d_mlp 3072,
+#: vocab 32,000): random weights, written once to disk so that HuggingFace and TransformerLens
+#: load the same ones.
+QWEN3_300M = {
+    **{k: v for k, v in QWEN3_8B.items() if k not in ("torch_dtype",)},
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "vocab_size": 32000,
+    "max_position_embeddings": 4096,
+    "torch_dtype": "float32",
+}
+
+
+def random_checkpoint(config: dict[str, Any], folder: Path) -> Path:
+    """A seeded random checkpoint of ``config``, with the tiny qwen3 tokenizer, built once."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from vlens.testing import tiny_model
+
+    if not (folder / "model.safetensors").exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "config.json").write_text(json.dumps(config, indent=1))
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+        model.to(torch.float32).save_pretrained(folder)
+        for file in tiny_model("qwen3").iterdir():
+            if file.name.startswith(("tokenizer", "special_tokens")):
+                shutil.copy(file, folder / file.name)
+    return folder
+
+
 def model_folder(preset: dict[str, Any], work: Path) -> Path:
     """The checkpoint folder: SmolLM2 (CPU), or a Qwen3-8B-shaped config with the tiny qwen3
     checkpoint's tokenizer (vlens loads a tokenizer; vLLM skips it and gets token ids)."""
@@ -121,6 +170,8 @@ def model_folder(preset: dict[str, Any], work: Path) -> Path:
         return smollm2_path()
     if preset["model"] == "tiny-qwen3":
         return tiny_model("qwen3")
+    if preset["model"] == "random-qwen3-300m":
+        return random_checkpoint(QWEN3_300M, work / "random-qwen3-300m")
 
     folder = work / "qwen3-8b-shape"
     folder.mkdir(parents=True, exist_ok=True)
