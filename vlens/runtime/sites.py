@@ -40,6 +40,7 @@ class NarrowedCall:
     kwargs: dict[str, Any]
     result: Any = None
     parallel: TensorParallel | None = None  # None on one rank
+    buffers: frozenset[int] = frozenset()  # see :func:`buffers_of`
 
     def _local_argument(self, index: int, name: str) -> Any:
         if name in self.kwargs:
@@ -80,17 +81,20 @@ class NarrowedCall:
     def assign_output(self, element: int | None, new: Tensor, shards: Shards | None = None) -> None:
         self._assign(self._local_output(element), new, shards)
 
-    def storages(self) -> set[int]:
-        """Addresses of the storages behind this call's tensors, to tell views from new values."""
-        values = [*self.args, *self.kwargs.values()]
-        values += list(self.result) if isinstance(self.result, tuple) else [self.result]
-        return {v.untyped_storage().data_ptr() for v in values if isinstance(v, Tensor)}
+
+
+def buffers_of(args: tuple, kwargs: dict, result: Any) -> frozenset[int]:
+    """Addresses of the storages behind a module call's tensors, to tell views from new values
+    (the same for every request of the call: computed once per call)."""
+    values = [*args, *kwargs.values()]
+    values += list(result) if isinstance(result, tuple) else [result]
+    return frozenset(v.untyped_storage().data_ptr() for v in values if isinstance(v, Tensor))
 
 
 def detached_copy(value: Tensor | None, call: NarrowedCall) -> Tensor | None:
     """``value`` as a tensor of its own: vLLM reuses and rewrites its buffers in place. (None:
     a value that lives on another tensor-parallel rank, such as gathered logits.)"""
-    if value is not None and value.untyped_storage().data_ptr() in call.storages():
+    if value is not None and value.untyped_storage().data_ptr() in call.buffers:
         return value.clone()
     return value
 

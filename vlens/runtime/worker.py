@@ -25,7 +25,7 @@ from vlens.runtime.layout import Followed, RequestRows, follow_steps
 from vlens.runtime.patches import apply_cpu_patches
 from vlens.runtime.plan import RequestPlan
 from vlens.runtime.probe import ModuleProbe, ModuleRecord
-from vlens.runtime.sites import NarrowedCall, install_site, read_rows
+from vlens.runtime.sites import NarrowedCall, buffers_of, install_site, read_rows
 from vlens.runtime.tensor_parallel import TensorParallel
 
 
@@ -127,13 +127,17 @@ class WorkerRuntime:
         def on_call(args: tuple, kwargs: dict, output: Any) -> None:
             if site.event == "sampled" and output is None:  # logits live on another rank
                 return
+            buffers = None
             for rows in self._rows_for(site):
                 plan = self.wanted.get(rows.tag)
                 names = plan.sites.get(site) if plan is not None else None
                 capture = self.captures.get(rows.tag)
                 if not names or capture is None or capture.error is not None:
                     continue
-                call = NarrowedCall(self.model, rows, args, kwargs, output, self.parallel)
+                buffers = buffers_of(args, kwargs, output) if buffers is None else buffers
+                call = NarrowedCall(
+                    self.model, rows, args, kwargs, output, self.parallel, buffers
+                )
                 for name in names:
                     try:
                         if name.hooks:
