@@ -127,23 +127,24 @@ class HookedVLLM(WeightViews):
             names = [names]
         for item in names:
             name = item[0] if isinstance(item, tuple) else item
-            if not isinstance(name, str) or name in self.hook_specs or not RAW_NAME.fullmatch(name):
+            if not isinstance(name, str) or not RAW_NAME.fullmatch(name):
                 continue
             if name.rsplit(".", 1)[0] in self.canonical_names:
                 continue
-            if self.engine.tensor_parallel_size > 1:
-                raise NotImplementedError(
-                    f"{name}: raw locations are not yet available under tensor parallelism (each "
-                    f"rank holds its own slice of many modules' values); use canonical names"
-                )
-            self.hook_specs[name] = raw_spec(name, self.module_records)
-        for name, spec in self.hook_specs.items():
-            if decoding and name not in self.canonical_names and isinstance(spec, HookSpec):
-                if prefill_only(spec.site.path, self.module_records):
-                    raise ValueError(
-                        f"{spec.site.path} runs at prefill only (vLLM folds it into another "
-                        f"kernel in decode steps): {name} has no value at generated positions"
+            if name not in self.hook_specs:
+                if self.engine.tensor_parallel_size > 1:
+                    raise NotImplementedError(
+                        f"{name}: raw locations are not yet available under tensor parallelism "
+                        f"(each rank holds its own slice of many modules' values); use canonical "
+                        f"names"
                     )
+                self.hook_specs[name] = raw_spec(name, self.module_records)
+            spec = self.hook_specs[name]
+            if decoding and prefill_only(spec.site.path, self.module_records):
+                raise ValueError(
+                    f"{spec.site.path} runs at prefill only (vLLM folds it into another "
+                    f"kernel in decode steps): {name} has no value at generated positions"
+                )
 
     def __repr__(self) -> str:
         return self.engine.on_driver("module_tree")
@@ -259,6 +260,7 @@ class HookedVLLM(WeightViews):
             raise ValueError(f"max_new_tokens must be >= 0, not {max_new_tokens}")
         prompts = self.token_lists(input)
         self._admit_raw(names_filter, decoding=max_new_tokens > 1)
+        self._admit_raw([hook.name for hook in self.registry.added], decoding=max_new_tokens > 1)
         known = self.hook_names if names_filter is None or callable(names_filter) else self.hook_specs
         names = [] if names_filter == [] else select_names(names_filter, list(known), self.explain)
         wanted = names + ([LOGITS] if return_type == "logits" and LOGITS not in names else [])
@@ -316,7 +318,8 @@ class HookedVLLM(WeightViews):
         from vllm import SamplingParams
 
         prompts = self.token_lists(input)
-        for hooks in [fwd_hooks, *(prompt_hooks or [])]:
+        added = [hook.name for hook in self.registry.added]
+        for hooks in [fwd_hooks, added, *(prompt_hooks or [])]:
             self._admit_raw(list(hooks), decoding=max_new_tokens > 1)
         if prompt_hooks is not None and len(prompt_hooks) != len(prompts):
             raise ValueError(f"prompt_hooks has {len(prompt_hooks)} entries for {len(prompts)} prompts")
