@@ -14,6 +14,12 @@ decoding:
   prompt, every step). Workloads alternate, ``--reps`` times each; the best time counts.
 - ``compiled``: plain ``vllm.LLM`` in vLLM's default mode (torch.compile + CUDA graphs on GPU),
   prefix caching off, in-process like vlens.
+- ``graph_1`` / ``graph_all``: vlens's graph tier (a compiled engine with names traced into
+  vLLM's graph): one layer's ``hook_resid_post`` declared for capture and steering, or every
+  layer's for capture; *idle* is that engine's ``vllm.LLM.generate`` with no vlens request (the
+  traced copies still run), *cache* ``run_with_cache`` (the cache on the CPU, and on a GPU also
+  with ``device="cuda"``: kept where it was captured), *steer* ``generate`` with a different
+  vector per prompt (``Steer`` values).
 - ``hf``: HuggingFace transformers with forward hooks, prefill only (batches of ``hf_batch``):
   no hook, one layer's residual cloned, every layer's.
 
@@ -232,6 +238,14 @@ class Timer:
 # ---- workers (one process each) ----------------------------------------------------------------
 
 
+def record_runner(timer: Timer, llm: Any) -> None:
+    """Which of vLLM's model runners the engine uses, for the results' header."""
+    from vlens.runtime.layout import runner_kind
+
+    runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+    timer.meta["runner"] = f"{runner_kind(runner).upper()} ({type(runner).__module__})"
+
+
 def worker_eager(
     preset: dict[str, Any], path: Path, timer: Timer, profile: Path | None, skip: set[str]
 ) -> None:
@@ -242,10 +256,7 @@ def worker_eager(
 
     model = HookedVLLM.from_pretrained(path, dtype=preset["dtype"], **preset["engine"])
     llm = model.engine.llm
-    from vlens.runtime.layout import runner_kind
-
-    runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
-    timer.meta["runner"] = f"{runner_kind(runner).upper()} ({type(runner).__module__})"
+    record_runner(timer, llm)
     prompts = prompts_for(preset, model.cfg.d_vocab)
     n_prompt = sum(len(p) for p in prompts)
     new = preset["new_tokens"]
@@ -329,6 +340,64 @@ def worker_eager(
     if "cache_all_generate" not in skip:
         timer.measure("cache_all", "generate", lambda: cache(every, new), rep=0)
     timer.meta["peak_rss_bytes_eager_worker"] = peak_rss_bytes()
+
+
+def worker_graph(preset: dict[str, Any], path: Path, timer: Timer, every_layer: bool) -> None:
+    """vlens's graph tier: a compiled engine with one layer's ``hook_resid_post`` declared for
+    capture and steering (``graph_1``), or every layer's for capture (``graph_all``)."""
+    import torch
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from vlens import HookedVLLM, Steer
+
+    n_layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
+    one = f"blocks.{preset['layer']}.hook_resid_post"
+    every = [f"blocks.{i}.hook_resid_post" for i in range(n_layers)]
+    declared = {"compiled_capture": every} if every_layer else {
+        "compiled_capture": [one], "compiled_steering": [one]}
+    model = HookedVLLM.from_pretrained(path, dtype=preset["dtype"], **declared, **preset["engine"])
+    llm = model.engine.llm
+    record_runner(timer, llm)
+    prompts = prompts_for(preset, model.cfg.d_vocab)
+    n_prompt = sum(len(p) for p in prompts)
+    new = preset["new_tokens"]
+    generator = torch.Generator().manual_seed(1)
+    vectors = [torch.randn(model.cfg.d_model, generator=generator) for _ in prompts]
+
+    def plain(max_tokens: int) -> int:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                               use_tqdm=False)
+        return sum(len(o.outputs[0].token_ids) for o in outputs)
+
+    def cache(names: list[str], max_new: int, device: str | None = None) -> int:
+        _, c = model.run_with_cache(prompts, names_filter=names, return_type=None,
+                                    max_new_tokens=max_new, device=device)
+        return int(c.lengths.sum()) - n_prompt + len(prompts) if max_new else n_prompt
+
+    def steered(max_new: int) -> int:
+        per_prompt = [[Steer(one, add=vector)] for vector in vectors]  # one vector per request
+        out = model.generate(prompts, max_new_tokens=max_new, do_sample=False, stop_at_eos=False,
+                             prompt_steering=per_prompt, return_type="tokens")
+        return sum(len(o) for o in out) - n_prompt
+
+    few = prompts[:8]
+    model.run_with_cache(few, names_filter=[one], return_type=None, max_new_tokens=2)
+    on_gpu = torch.cuda.is_available()
+    names = every if every_layer else [one]
+    kind = "graph_all" if every_layer else "graph_1"
+    for rep in range(timer.reps):
+        timer.measure(f"{kind}_idle", "prefill", lambda: (plain(1), n_prompt)[1], rep=rep)
+        timer.measure(f"{kind}_cache", "prefill", lambda: cache(names, 0), rep=rep)
+        if on_gpu:
+            timer.measure(f"{kind}_cache_gpu", "prefill", lambda: cache(names, 0, "cuda"), rep=rep)
+        timer.measure(f"{kind}_idle", "generate", lambda: plain(new), rep=rep)
+        if on_gpu:
+            timer.measure(f"{kind}_cache_gpu", "generate", lambda: cache(names, new, "cuda"), rep=rep)
+        timer.measure(f"{kind}_cache", "generate", lambda: cache(names, new), rep=rep)
+        if not every_layer:
+            timer.measure("graph_1_steer", "generate", lambda: steered(new), rep=rep)
 
 
 def peak_rss_bytes() -> int:
@@ -444,11 +513,12 @@ def worker_transformer_lens(preset: dict[str, Any], path: Path, timer: Timer) ->
 
 # ---- the orchestrating process -----------------------------------------------------------------
 
-WORKERS = ("eager", "compiled", "hf", "transformer_lens")
+WORKERS = ("eager", "compiled", "graph_1", "graph_all", "hf", "transformer_lens")
 
 
 #: Seconds each worker may take (``--timeouts`` overrides), so that one run ends in time.
-TIMEOUTS = {"eager": 300, "compiled": 150, "hf": 80, "transformer_lens": 300}
+TIMEOUTS = {"eager": 300, "compiled": 150, "graph_1": 300, "graph_all": 300, "hf": 80,
+            "transformer_lens": 300}
 
 
 def run_worker(name: str, args: argparse.Namespace, path: Path) -> dict[str, Any]:
@@ -498,6 +568,14 @@ LABELS = {
     "hf_cache_1": "HuggingFace forward, hook cloning one layer's residual",
     "hf_cache_all": "HuggingFace forward, hooks cloning every layer's residual",
     "cache_layer_names": "vlens run_with_cache, every name of one layer",
+    "graph_1_idle": "vlens compiled engine (one layer declared), no vlens request",
+    "graph_1_cache": "vlens compiled: run_with_cache, one layer's resid_post (cache on the CPU)",
+    "graph_1_cache_gpu": "vlens compiled: run_with_cache, one layer's resid_post, device='cuda'",
+    "graph_1_steer": "vlens compiled: generate, a steering vector per request at one layer",
+    "graph_all_idle": "vlens compiled engine (every layer declared), no vlens request",
+    "graph_all_cache": "vlens compiled: run_with_cache, every layer's resid_post (on the CPU)",
+    "graph_all_cache_gpu": "vlens compiled: run_with_cache, every layer's resid_post, "
+    "device='cuda'",
     "tl_cache_1": "TransformerLens (TransformerBridge on HF) run_with_cache, one layer",
     "tl_cache_all": "TransformerLens (TransformerBridge on HF) run_with_cache, every layer",
     "tl_steer": "TransformerLens (TransformerBridge on HF) generate, one steering vector",
@@ -527,17 +605,18 @@ def markdown(meta: dict[str, Any], best: dict[tuple[str, str], dict[str, Any]]) 
         f"Command: `{meta['command']}`",
         "",
         *memory_lines(meta),
-        "| tier | workload | tokens | seconds | tokens/s | ratio to plain eager |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| tier | workload | tokens | seconds | tokens/s | ratio to plain eager "
+        "| ratio to plain compiled |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for tier in ("prefill", "generate"):
-        base = best.get(("plain", tier))
+        bases = [best.get((base, tier)) for base in ("plain", "compiled")]
         for (workload, t), r in best.items():
             if t != tier:
                 continue
-            ratio = f"{r['tok_s'] / base['tok_s']:.3f}" if base else "-"
+            ratios = [f"{r['tok_s'] / base['tok_s']:.3f}" if base else "-" for base in bases]
             lines.append(f"| {tier} | {LABELS.get(workload, workload)} | {r['tokens']} | "
-                         f"{r['seconds']:.3f} | {r['tok_s']:,.0f} | {ratio} |")
+                         f"{r['seconds']:.3f} | {r['tok_s']:,.0f} | {' | '.join(ratios)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -572,6 +651,8 @@ def main(argv: list[str] | None = None) -> int:
             worker_eager(preset, args.model_path, timer, profile, skip)
         elif args.worker == "compiled":
             worker_compiled(preset, args.model_path, timer)
+        elif args.worker in ("graph_1", "graph_all"):
+            worker_graph(preset, args.model_path, timer, every_layer=args.worker == "graph_all")
         elif args.worker == "transformer_lens":
             worker_transformer_lens(preset, args.model_path, timer)
         else:

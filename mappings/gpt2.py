@@ -128,5 +128,5 @@ WEIGHTS = WeightNames(
 )
 
 MAPPING = ArchitectureMapping(
-    architectures=("GPT2LMHeadModel",), hook_specs=hook_specs, weights=WEIGHTS
+    architectures=("GPT2LMHeadModel",), hook_specs=hook_specs, weights=WEIGHTS, compiled_graph=True
 )

@@ -127,5 +127,9 @@ WEIGHTS = WeightNames(
 )
 
 MAPPING = ArchitectureMapping(
-    architectures=("LlamaForCausalLM",), hook_specs=hook_specs, weights=WEIGHTS, tensor_parallel=True
+    architectures=("LlamaForCausalLM",),
+    hook_specs=hook_specs,
+    weights=WEIGHTS,
+    tensor_parallel=True,
+    compiled_graph=True,
 )

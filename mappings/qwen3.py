@@ -39,4 +39,5 @@ MAPPING = ArchitectureMapping(
     hook_specs=hook_specs,
     weights=llama.WEIGHTS,
     tensor_parallel=True,
+    compiled_graph=True,
 )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,14 +16,17 @@ from vlens.testing import tiny_model
 @pytest.fixture(scope="session")
 def hooked() -> Callable[..., HookedVLLM]:
     """``hooked("qwen3", **engine_args)``: the session's fp32 engine for a tiny model, built
-    once: engines are the slow part of the suite."""
+    once: engines are the slow part of the suite. ``VLENS_TEST_ENGINE_ARGS`` (JSON) adds engine
+    arguments to every engine, e.g. ``{"gpu_memory_utilization": 0.2}`` where two suites share
+    a GPU."""
     engines: dict[tuple, HookedVLLM] = {}
+    extra = json.loads(os.environ.get("VLENS_TEST_ENGINE_ARGS", "{}"))
 
     def get(arch: str, **engine_args: object) -> HookedVLLM:
         key = (arch, *sorted(engine_args.items()))
         if key not in engines:
             engines[key] = HookedVLLM.from_pretrained(
-                tiny_model(arch), dtype="float32", **engine_args
+                tiny_model(arch), dtype="float32", **extra, **engine_args
             )
         return engines[key]
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from vlens.runtime.layout import TAG_KEY, RequestRows, follow_steps, runner_kind
-from vlens.runtime.worker import Chunk, RequestCapture, on_host
+from vlens.runtime.worker import Chunk, RequestCapture, handed_back
 
 TEXTS = [
     "The first prompt is of middling length",
@@ -72,8 +72,16 @@ def step(new: list[SimpleNamespace], tokens: dict[str, int]) -> SimpleNamespace:
     return SimpleNamespace(scheduled_new_reqs=new, num_scheduled_tokens=tokens)
 
 
+def step_state() -> SimpleNamespace:
+    """A runtime's step state that records the layout it sees when a step starts and ends."""
+    state = SimpleNamespace(wanted={"on": True}, followed={}, layout=None, around=[])
+    state.step_started = lambda: state.around.append(("started", state.layout))
+    state.step_finished = lambda: state.around.append(("finished", state.layout))
+    return state
+
+
 def test_v2_rows_follow_the_runners_sorted_order():
-    state = SimpleNamespace(wanted={"on": True}, followed={}, layout=None)
+    state = step_state()
     seen: list[list[RequestRows] | None] = []
     runner = V2Like(lambda: seen.append(state.layout))
     assert runner_kind(runner) == "v2"
@@ -93,6 +101,7 @@ def test_v2_rows_follow_the_runners_sorted_order():
         RequestRows("0:1", 8, 17, 0, 9),
     ]
     assert state.layout is None, "the layout outlived the step"
+    assert state.around == [("started", seen[-1]), ("finished", seen[-1])]
 
     # Decodes run first; a new prompt (and an untagged request) join the step.
     runner.execute_model(
@@ -117,7 +126,7 @@ def test_v2_rows_follow_the_runners_sorted_order():
 
 
 def test_v1_rows_follow_the_persistent_batch():
-    state = SimpleNamespace(wanted={"on": True}, followed={}, layout=None)
+    state = step_state()
     seen = []
     runner = SimpleNamespace(
         requests={
@@ -137,6 +146,7 @@ def test_v1_rows_follow_the_persistent_batch():
     follow_steps(runner, state)
     runner._model_forward()
     assert seen[-1] == [RequestRows("1:1", 0, 1, 6, 6), RequestRows("1:0", 3, 7, 0, 4)]
+    assert state.around == [("started", seen[-1]), ("finished", seen[-1])]
     assert state.followed == {"r2": ("1:1", 6), "r1": None, "r0": ("1:0", 4)}
     assert state.layout is None
 
@@ -151,7 +161,7 @@ def test_hand_back_joins_runs_of_positions_and_keeps_gaps():
     rows = torch.arange(12.0).reshape(6, 2)
     # Steps arrive out of order; positions 3..4 were never computed (say, a prefix-cache hit).
     capture.chunks["x"] += [Chunk(2, rows[2:3]), Chunk(0, rows[0:2]), Chunk(5, rows[5:6])]
-    done = on_host({"t": capture})["t"]
+    done = handed_back({"t": capture})["t"]
     assert [chunk.first_position for chunk in done.chunks["x"]] == [0, 5]
     torch.testing.assert_close(done.chunks["x"][0].value, rows[0:3])
     torch.testing.assert_close(done.chunks["x"][1].value, rows[5:6])

@@ -32,7 +32,7 @@ def join_chunks(name: str, chunks: Sequence[Chunk], length: int) -> Tensor:
         position += chunk.value.shape[0]
     if position != length:
         raise RuntimeError(f"{name}: captured {position} positions, expected {length}")
-    return torch.cat([chunk.value for chunk in ordered])
+    return ordered[0].value if len(ordered) == 1 else torch.cat([chunk.value for chunk in ordered])
 
 
 def pad_batch(values: Sequence[Tensor]) -> Tensor:

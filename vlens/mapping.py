@@ -210,6 +210,9 @@ class ArchitectureMapping:
     #: Whether the mapping marks every value vLLM splits over tensor-parallel ranks
     #: (:class:`Shards`), so that it serves engines with ``tensor_parallel_size > 1``.
     tensor_parallel: bool = dataclasses.field(default=False, kw_only=True)
+    #: Whether every name has been checked to read the same traced into vLLM's compiled graph
+    #: as in eager mode (:mod:`vlens.compiled`), so that compiled names are offered.
+    compiled_graph: bool = dataclasses.field(default=False, kw_only=True)
     #: Why a name that looks plausible can never be given (e.g. one routed expert of a fused MoE
     #: kernel); None for names the architecture has nothing to say about.
     unavailable: Callable[[str], str | None] | None = dataclasses.field(default=None, kw_only=True)

@@ -4,6 +4,9 @@
 ``config.json``, ``model.safetensors`` (fp32), ``generation_config.json`` and a byte-level BPE
 tokenizer trained in-process, so tests never touch the network and run in seconds.
 
+``tiny_model(arch, init_std=0.02)`` is the same recipe drawn with another init standard deviation,
+in its own folder, so the default checkpoints never change.
+
 The dimensions are the smallest that vLLM's CPU kernels accept (head_dim 32 or 96; MLA needs
 ``kv_lora_rank=512`` and ``qk_rope_head_dim=64``; fused MoE needs ``hidden_size % 32 == 0``).
 This module deliberately does not import vLLM, so that importing it stays cheap.
@@ -221,9 +224,11 @@ def _jitter_constant_tensors(model: torch.nn.Module) -> None:
             tensor.add_(torch.randn(tensor.shape, dtype=tensor.dtype) * CONSTANT_JITTER_STD)
 
 
-def build_checkpoint(arch: str, seed: int, folder: Path) -> None:
-    """Write a random fp32 checkpoint for ``arch`` and the tokenizer into ``folder``."""
+def build_checkpoint(arch: str, seed: int, folder: Path, init_std: float = INIT_STD) -> None:
+    """Write a random fp32 checkpoint for ``arch`` and the tokenizer into ``folder``; weights
+    are drawn with standard deviation ``init_std`` (recorded as ``initializer_range``)."""
     config = CONFIG_BUILDERS[arch]()
+    config.initializer_range = init_std
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _jitter_constant_tensors(model)
@@ -255,15 +260,29 @@ def cache_root() -> Path:
     return Path(os.environ.get("VLENS_CACHE", Path.home() / ".cache" / "vlens"))
 
 
-def tiny_model(arch: str, seed: int = 0) -> Path:
+def init_tag(init_std: float | None) -> str:
+    """The folder-name suffix of a checkpoint drawn with ``init_std``: empty for the default
+    (``None`` or ``INIT_STD``), so that the default folders keep their names, else ``-std0.02``."""
+    if init_std is None or init_std == INIT_STD:
+        return ""
+    if not init_std > 0:
+        raise ValueError(f"init_std must be positive, got {init_std!r}")
+    return f"-std{init_std:g}"
+
+
+def tiny_model(arch: str, seed: int = 0, init_std: float | None = None) -> Path:
     """Return the folder of a tiny random ``arch`` checkpoint, building it on first use.
 
     ``arch`` is one of ``ARCHS`` ("qwen3", "llama", "gpt2", "deepseek_v3", "deepseek_v2").
-    The same ``arch`` and ``seed`` always give bit-identical weights.
+    ``init_std`` replaces ``INIT_STD`` as the weights' standard deviation; such a variant gets its
+    own folder (``{arch}-seed{seed}-std{init_std}-v1``, e.g. ``qwen3-seed0-std0.02-v1``).
+    The same ``arch``, ``seed`` and ``init_std`` always give bit-identical weights.
     """
     if arch not in CONFIG_BUILDERS:
         raise ValueError(f"unknown arch {arch!r}; choose from {ARCHS}")
-    target = cache_root() / "tiny" / f"{arch}-seed{seed}-{_RECIPE_VERSION}"
+    tag = init_tag(init_std)
+    std = INIT_STD if init_std is None else init_std
+    target = cache_root() / "tiny" / f"{arch}-seed{seed}{tag}-{_RECIPE_VERSION}"
     if not target.is_dir():
-        _build_atomically(target, lambda folder: build_checkpoint(arch, seed, folder))
+        _build_atomically(target, lambda folder: build_checkpoint(arch, seed, folder, std))
     return target

@@ -74,6 +74,10 @@ class StepState(Protocol):
     layout: list[RequestRows] | None  # this step's rows while the model runs, else None
     last_step: list[RequestRows]  # the latest step's rows, kept until the next step starts
 
+    def step_started(self) -> None: ...  # layout set, the model not yet called
+
+    def step_finished(self) -> None: ...  # the model's call for the step returned
+
 
 def tag_of(sampling_params: Any) -> str | None:
     extra = getattr(sampling_params, "extra_args", None) or {}
@@ -167,8 +171,11 @@ def _follow_v1(runner: Any, state: StepState) -> None:
     def model_forward(*args: Any, **kwargs: Any) -> Any:
         state.layout = read_step_layout(runner, state.followed) if state.wanted else None
         state.last_step = state.layout or []
+        state.step_started()
         try:
-            return forward(*args, **kwargs)
+            output = forward(*args, **kwargs)
+            state.step_finished()
+            return output
         finally:
             state.layout = None
 
@@ -193,11 +200,14 @@ def _follow_v2(runner: Any, state: StepState) -> None:
         input_batch = prepare_inputs(*args, **kwargs)
         state.layout = read_batch_layout(input_batch, state.followed) if state.wanted else None
         state.last_step = state.layout or []
+        state.step_started()
         return input_batch
 
     def execute(*args: Any, **kwargs: Any) -> Any:
         try:
-            return execute_model(*args, **kwargs)
+            output = execute_model(*args, **kwargs)
+            state.step_finished()
+            return output
         finally:
             state.layout = None
 

@@ -4,13 +4,14 @@ in forward order, each with the user's hook functions to run and whether to keep
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import Tensor
 
 from vlens.mapping import Site
 from vlens.readers import Reader
+from vlens.steering import Steer
 
 HookFunction = Callable[[Tensor, Any], Tensor | None]
 
@@ -29,7 +30,10 @@ class NamePlan:
 
 @dataclass(frozen=True)
 class RequestPlan:
-    """Everything one request (``index`` in the user's call) wants, grouped by site."""
+    """Everything one request (``index`` in the user's call) wants, grouped by site; on a
+    compiled engine, also the traced names it keeps (``graph_keep``) and its ``steering``."""
 
     index: int
     sites: dict[Site, tuple[NamePlan, ...]]
+    graph_keep: frozenset[str] = field(default_factory=frozenset)
+    steering: tuple[Steer, ...] = ()

@@ -19,23 +19,25 @@ from vlens.runtime.layout import RequestRows
 from vlens.runtime.tensor_parallel import TensorParallel
 
 
-def narrow(value: Any, rows: RequestRows) -> Any:
-    """The rows of one request in a token-major tensor; anything else passes through."""
-    if isinstance(value, Tensor) and value.dim() > 0:
+def narrow(value: Any, rows: RequestRows | None) -> Any:
+    """The rows of one request in a token-major tensor (every row when ``rows`` is None);
+    anything else passes through."""
+    if rows is not None and isinstance(value, Tensor) and value.dim() > 0:
         return value[rows.start : rows.stop]
     return value
 
 
 @dataclass
 class NarrowedCall:
-    """One module call, seen through one request's rows (see :class:`vlens.mapping.SiteCall`).
+    """One module call, seen through one request's rows (see :class:`vlens.mapping.SiteCall`),
+    or whole (``rows`` None: the graph tier's traced hooks).
 
     Accessors return views into vLLM's tensors; a value split over tensor-parallel ranks
     (``shards``) comes whole instead, and ``assign_*`` writes this rank's slice back.
     """
 
     model: nn.Module
-    rows: RequestRows
+    rows: RequestRows | None
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     result: Any = None

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from vlens.mapping import Site
+from vlens.runtime.graph import GraphSites
 from vlens.runtime.hooks import HookError, run_hooks
 from vlens.runtime.layout import Followed, RequestRows, follow_steps
 from vlens.runtime.patches import apply_cpu_patches
@@ -49,8 +50,9 @@ class RequestCapture:
 class WorkerRuntime:
     """Sites, per-step layout and captured values inside one vLLM worker."""
 
-    def __init__(self, runner: Any) -> None:
+    def __init__(self, runner: Any, graph: GraphSites | None = None) -> None:
         self.runner = runner
+        self.graph = graph  # the compiled engine's traced names (:mod:`vlens.runtime.graph`)
         self.model: nn.Module = runner.get_model()
         self.wanted: dict[str, RequestPlan] = {}
         self.captures: dict[str, RequestCapture] = {}
@@ -78,22 +80,31 @@ class WorkerRuntime:
         for tag, plan in requests.items():
             self.wanted[tag] = plan
             self.captures[tag] = RequestCapture()
+            if self.graph is not None:
+                self.graph.prepare(tag, plan.graph_keep, plan.steering)
         for site in {site for plan in self.wanted.values() for site in plan.sites}:
             if site not in self.handles:
                 self.handles[site] = install_site(self.model, site, self._site_fired(site))
 
-    def finish(self, tags: list[str]) -> dict[str, RequestCapture]:
-        """Hand back and forget what these requests captured; drop sites nobody needs now."""
-        done = on_host({tag: self.captures.pop(tag) for tag in tags})
-        for tag in tags:
-            self.wanted.pop(tag, None)
-        still_needed = {site for plan in self.wanted.values() for site in plan.sites}
-        for site in list(self.handles):
-            if site not in still_needed:
-                self.handles.pop(site).remove()
-        if not self.wanted:
-            self.followed.clear()
-        return done
+    def finish(self, tags: list[str], device: str = "cpu") -> dict[str, RequestCapture]:
+        """Hand back (on ``device``) and forget what these requests captured; drop sites nobody
+        needs now. The requests are forgotten even when handing back fails."""
+        captures = {tag: self.captures.pop(tag) for tag in tags}
+        try:
+            if self.graph is not None:
+                for tag, kept in self.graph.finish(tags, device).items():
+                    for name, runs in kept.items():
+                        captures[tag].chunks[name] += [Chunk(*run) for run in runs]
+            return handed_back(captures, device)
+        finally:
+            for tag in tags:
+                self.wanted.pop(tag, None)
+            still_needed = {site for plan in self.wanted.values() for site in plan.sites}
+            for site in list(self.handles):
+                if site not in still_needed:
+                    self.handles.pop(site).remove()
+            if not self.wanted:
+                self.followed.clear()
 
     def module_tree(self) -> str:
         return repr(self.model)
@@ -112,7 +123,15 @@ class WorkerRuntime:
         """Forget every ``hook.ctx`` (TransformerLens's ``reset_hooks(clear_contexts=True)``)."""
         self.contexts.clear()
 
-    # ---- inside the forward ------------------------------------------------------------------
+    # ---- around and inside the forward -------------------------------------------------------
+
+    def step_started(self) -> None:
+        if self.graph is not None:
+            self.graph.before_step(self.layout)
+
+    def step_finished(self) -> None:
+        if self.graph is not None:
+            self.graph.after_step(self.layout)
 
     def _rows_for(self, site: Site) -> list[RequestRows]:
         """The rows a site's call covers: the forward's token rows, or, for a ``sampled`` site
@@ -160,15 +179,14 @@ class WorkerRuntime:
         return on_call
 
 
-def on_host(captures: dict[str, RequestCapture]) -> dict[str, RequestCapture]:
+def handed_back(captures: dict[str, RequestCapture], device: str = "cpu") -> dict[str, RequestCapture]:
     """``captures`` as handed back to the user's process: each name's chunks joined wherever
     their positions run on (a gap, e.g. a prefix-cache hit, stays a gap for the user's side to
-    report), and on the CPU.
+    report), and on ``device``.
 
-    The user's process assembles caches and derives names with checkpoint weights read from disk
-    (CPU tensors), and under tensor parallelism receives the values from another process; on
-    CUDA, vLLM has claimed most of the GPU's memory for its KV cache. One copy per run of
-    positions, not one per engine step, and one synchronisation for all of them.
+    The CPU by default: under tensor parallelism the user's process receives the values from
+    another process, and on CUDA vLLM has claimed most of the GPU's memory for its KV cache.
+    One copy per run of positions, not one per engine step, and one synchronisation for all.
     """
     from_cuda = False
     for capture in captures.values():
@@ -185,18 +203,22 @@ def on_host(captures: dict[str, RequestCapture]) -> dict[str, RequestCapture]:
             for run in runs:
                 value = run[0].value if len(run) == 1 else torch.cat([c.value for c in run])
                 from_cuda |= value.is_cuda
-                joined.append(Chunk(run[0].first_position, value.to("cpu", non_blocking=True)))
+                joined.append(Chunk(run[0].first_position, value.to(device, non_blocking=True)))
             capture.chunks[name] = joined
     if from_cuda:
         torch.cuda.synchronize()
     return captures
 
 
+#: Where a compiled engine's worker keeps its :class:`GraphSites` from load time on.
+GRAPH_ATTRIBUTE = "_vlens_graph"
+
+
 def runtime_of(worker: Any) -> WorkerRuntime:
     """The worker's runtime, created on first use."""
     runtime = getattr(worker, "_vlens_runtime", None)
     if runtime is None:
-        runtime = WorkerRuntime(worker.model_runner)
+        runtime = WorkerRuntime(worker.model_runner, getattr(worker, GRAPH_ATTRIBUTE, None))
         worker._vlens_runtime = runtime
     return runtime
 

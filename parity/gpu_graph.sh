@@ -1,0 +1,20 @@
+#!/bin/bash
+# Issue 12 on the GPU: the graph tier's tests (tests/test_compiled.py, tests/test_steering.py)
+# under both model runners side by side, with torch.compile and CUDA graphs on, in ONE device
+# call after the carry calls of parity/gpu.sh's header (about 4 minutes); writes each runner's
+# log under $OUT. Its benchmark is `bash bench/gpu.sh --skip eager,hf,transformer_lens`.
+set -uo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+OUT=${OUT:-/tmp/vlens-graph-out}
+mkdir -p "$OUT"
+source "$root/parity/gpu_setup.sh" || exit 1
+# fp32 parity between compiled and eager: Triton's dots in IEEE precision (see parity/gpu.sh).
+for v2 in 1 0; do
+  (VLLM_USE_V2_MODEL_RUNNER=$v2 TRITON_F32_DEFAULT=ieee TRITON_CACHE_DIR=/tmp/triton-graph$v2 \
+    VLENS_TEST_ENGINE_ARGS='{"gpu_memory_utilization": 0.08}' timeout "${TEST_TIMEOUT:-300}" \
+    python3 -m pytest -q -p no:cacheprovider "$root/tests/test_compiled.py" \
+    "$root/tests/test_steering.py" > "$OUT/tests-runner$v2.log" 2>&1
+   echo "graph tier tests, VLLM_USE_V2_MODEL_RUNNER=$v2: exit $?"; tail -2 "$OUT/tests-runner$v2.log") &
+done
+wait
+grep -h "^FAILED\|^E " "$OUT"/tests-runner*.log | head -20

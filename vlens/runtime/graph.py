@@ -1,0 +1,326 @@
+"""The graph tier: sites traced into vLLM's compiled model, reading and steering through buffers.
+
+In vLLM's default mode the model's forward is traced once by torch.compile (and, on CUDA,
+replayed from CUDA graphs): Python hooks added later never run. A forward hook that exists when
+the trace is taken is traced into the graph instead, and if it only touches tensors that live as
+long as the engine, the graph (and a CUDA graph replaying it) keeps doing what it did. So the
+names declared when the engine is built get such hooks, installed right after the weights load
+and before vLLM's first (compiling) forward:
+
+- a captured name copies the whole step's value into a preallocated ``[max_tokens, ...]``
+  buffer; after each step the runtime takes each request's rows from it (by the runner's own row
+  map, :mod:`vlens.runtime.layout`) and keeps only what requests asked for: CUDA-graph padding
+  rows are never read;
+- a steered name applies ``(v − (v·û)û) ⊙ gain + add`` with one row of ``add``/``gain``/``û``
+  per token row, from buffers the runtime fills before each step from the steered requests'
+  rows. Every other row holds the neutral terms (0, 1, 0), which leave it bit for bit.
+
+Python in the forward is the traced hook only: no per-request work happens inside the graph.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from vlens.mapping import Site
+from vlens.readers import LogitsOf, Reader
+from vlens.runtime.layout import RequestRows
+from vlens.runtime.patches import apply_cpu_patches
+from vlens.runtime.sites import NarrowedCall, install_site
+from vlens.steering import Steer, steered
+
+
+@dataclass(frozen=True)
+class GraphName:
+    """A name traced into the graph: read at ``site`` by ``read``, captured and/or steered.
+    ``trailing`` is the per-position shape of what the graph computes (:attr:`traced_read`)."""
+
+    name: str
+    site: Site
+    read: Reader
+    trailing: tuple[int, ...]
+    capture: bool
+    steer: bool
+
+    @property
+    def width(self) -> int:
+        return int(torch.Size(self.trailing).numel())
+
+    @property
+    def traced_read(self) -> Reader:
+        """What the graph computes: the logits name keeps the final norm's rows, and the
+        (vocabulary-wide) logits are computed from them after the step, for kept rows only."""
+        return self.read.source if isinstance(self.read, LogitsOf) else self.read
+
+
+Terms = tuple[Tensor, Tensor, Tensor]  # add, gain, ablate
+
+
+@dataclass
+class SteeringBuffers:
+    """Per-row steering terms of one name, ``[max_tokens, width]`` each, neutral by default."""
+
+    add: Tensor
+    gain: Tensor
+    ablate: Tensor
+    dirty: Tensor | None = None  # rows set for the last step, reset before the next
+
+    @classmethod
+    def allocate(
+        cls, rows: int, width: int, device: torch.device, dtype: torch.dtype
+    ) -> SteeringBuffers:
+        zeros = torch.zeros(rows, width, device=device, dtype=dtype)
+        return cls(zeros, torch.ones_like(zeros), torch.zeros_like(zeros))
+
+    def reset(self) -> None:
+        if self.dirty is not None:
+            self.add.index_fill_(0, self.dirty, 0.0)
+            self.gain.index_fill_(0, self.dirty, 1.0)
+            self.ablate.index_fill_(0, self.dirty, 0.0)
+            self.dirty = None
+
+    def set_rows(self, rows: Tensor, terms: Terms, sources: Tensor) -> None:
+        """Row ``rows[i]`` gets the terms of table entry ``sources[i]``."""
+        for buffer, table in zip((self.add, self.gain, self.ablate), terms):
+            buffer.index_copy_(0, rows, table.index_select(0, sources))
+        self.dirty = rows
+
+
+@dataclass
+class StepCapture:
+    """One step's kept rows: ``chunks[name]`` holds, one after the other, the rows of each
+    ``(tag, length, first_position)`` in ``segments``."""
+
+    segments: list[tuple[str, int, int]]
+    chunks: dict[str, Tensor]
+
+
+@dataclass
+class CallState:
+    """What the requests being served asked of the graph (cleared when they finish)."""
+
+    #: tag -> the names it keeps
+    keep: dict[str, frozenset[str]] = field(default_factory=dict)
+    #: tag -> name -> (its entry in that name's table, the steer)
+    steering: dict[str, dict[str, tuple[int, Steer]]] = field(default_factory=dict)
+    #: name -> every steer's (add, gain, ablate) terms; ``stacked``: the same on the device
+    tables: dict[str, list[Terms]] = field(default_factory=lambda: defaultdict(list))
+    stacked: dict[str, Terms] = field(default_factory=dict)
+    steps: list[StepCapture] = field(default_factory=list)
+
+
+Run = tuple[int, Tensor]  # (first position, rows)
+
+
+class GraphSites:
+    """The traced hooks of one engine, their buffers, and the per-step work around them."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        names: Sequence[GraphName],
+        max_tokens: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.model = model
+        self.names = {graph_name.name: graph_name for graph_name in names}
+        self.device = device
+        self.captured = {
+            g.name: torch.zeros(max_tokens, *g.trailing, device=device, dtype=dtype)
+            for g in names
+            if g.capture
+        }
+        self.steering = {
+            g.name: SteeringBuffers.allocate(max_tokens, g.width, device, dtype)
+            for g in names
+            if g.steer
+        }
+        by_site: dict[Site, list[GraphName]] = defaultdict(list)
+        for graph_name in names:
+            by_site[graph_name.site].append(graph_name)
+        for site, at_site in by_site.items():
+            install_site(model, site, self._traced_hook(tuple(at_site)))
+        self.call = CallState()
+
+    # ---- inside the graph --------------------------------------------------------------------
+
+    def _traced_hook(self, at_site: tuple[GraphName, ...]):
+        def on_call(args: tuple, kwargs: dict, output: Any) -> None:
+            call = NarrowedCall(self.model, None, args, kwargs, output)
+            for graph_name in at_site:
+                value = graph_name.traced_read(call)
+                rows = value.shape[0]
+                if tuple(value.shape[1:]) != graph_name.trailing:  # settled when traced
+                    raise ValueError(
+                        f"{graph_name.name}: vLLM's value has per-position shape "
+                        f"{tuple(value.shape[1:])}, the declaration expected "
+                        f"{graph_name.trailing}; read it on an eager engine"
+                    )
+                if graph_name.steer:
+                    terms = self.steering[graph_name.name]
+                    flat = value.reshape(rows, -1)
+                    new = steered(flat, terms.add[:rows], terms.gain[:rows], terms.ablate[:rows])
+                    value = new.to(value.dtype).reshape(value.shape)
+                    graph_name.read.write(call, value)
+                if graph_name.capture:
+                    self.captured[graph_name.name][:rows].copy_(value)
+
+        return on_call
+
+    # ---- around each step (called by the worker runtime) -------------------------------------
+
+    def prepare(self, tag: str, keep: frozenset[str], steers: Sequence[Steer]) -> None:
+        """Follow request ``tag``: the names it keeps and its steering terms."""
+        self.call.keep[tag] = keep
+        own = {}
+        for steer in steers:
+            entries = self.call.tables[steer.name]
+            width = self.names[steer.name].width
+            own[steer.name] = (len(entries), steer)
+            entries.append(steer.terms(width))
+            self.call.stacked.pop(steer.name, None)
+        self.call.steering[tag] = own
+
+    def before_step(self, layout: list[RequestRows] | None) -> None:
+        """Put the steered requests' terms on their rows of this step; every other row neutral."""
+        for name, buffers in self.steering.items():
+            buffers.reset()
+            rows: list[int] = []
+            sources: list[int] = []
+            for request in layout or ():
+                entry = self.call.steering.get(request.tag, {}).get(name)
+                if entry is None:
+                    continue
+                index, steer = entry
+                chosen = steer.offsets(request.first_position, request.stop - request.start)
+                rows += [request.start + offset for offset in chosen]
+                sources += [index] * len(chosen)
+            if rows:
+                terms = self._stacked(name)
+                buffers.set_rows(self._index(rows), terms, self._index(sources))
+
+    def after_step(self, layout: list[RequestRows] | None) -> None:
+        """Copy out the rows of the requests that keep something from this step."""
+        keep = self.call.keep
+        names = sorted({name for tag_names in keep.values() for name in tag_names})
+        keepers = [request for request in layout or () if keep.get(request.tag)]
+        if not names or not keepers:
+            return
+        rows = [row for request in keepers for row in range(request.start, request.stop)]
+        contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
+        index = None if contiguous else self._index(rows)
+        chunks = {}
+        for name in names:
+            buffer = self.captured[name]
+            if contiguous:
+                chunk = buffer[rows[0] : rows[0] + len(rows)].clone()
+            else:
+                chunk = buffer.index_select(0, index)
+            if isinstance(self.names[name].read, LogitsOf):
+                chunk = self.model.logits_processor(self.model.lm_head, chunk)
+            chunks[name] = chunk
+        segments = [(r.tag, r.stop - r.start, r.first_position) for r in keepers]
+        self.call.steps.append(StepCapture(segments, chunks))
+
+    def finish(self, tags: Sequence[str], device: str = "cpu") -> dict[str, dict[str, list[Run]]]:
+        """Each finished request's kept rows, on ``device``: name → ``[(first_position, rows),
+        ...]`` (one entry per run of consecutive positions). Forgets the call once no request
+        is left.
+
+        Each name's rows of every step are joined and moved to ``device`` once (one transfer
+        per name, not one per request and step); a request's run is then a slice of that copy when
+        its rows are consecutive there (a prefill), else one gather (its decode rows).
+        """
+        wanted = set(tags)
+        # tag -> (start among all steps' kept rows, length, first position), in step order
+        segments: dict[str, list[tuple[int, int, int]]] = defaultdict(list)
+        total = 0
+        for step in self.call.steps:
+            for tag, length, position in step.segments:
+                if tag in wanted:
+                    segments[tag].append((total, length, position))
+                total += length
+        names = {name for step in self.call.steps for name in step.chunks}
+        try:
+            joined = {
+                name: torch.cat([step.chunks[name] for step in self.call.steps]).to(device)
+                for name in names
+            }
+            result: dict[str, dict[str, list[Run]]] = {}
+            for tag in tags:
+                runs = _runs(segments.get(tag, []))
+                result[tag] = {
+                    name: [(position, rows(joined[name])) for position, rows in runs]
+                    for name in self.call.keep.get(tag, frozenset())
+                    if name in joined
+                }
+        finally:  # even when handing back fails (e.g. out of memory), the call is over
+            for tag in tags:
+                self.call.keep.pop(tag, None)
+                self.call.steering.pop(tag, None)
+            if not self.call.keep:
+                self.call = CallState()
+                for buffers in self.steering.values():
+                    buffers.reset()
+        return result
+
+    # ---- helpers -----------------------------------------------------------------------------
+
+    def _stacked(self, name: str) -> Terms:
+        if name not in self.call.stacked:
+            entries = self.call.tables[name]
+            dtype = self.steering[name].add.dtype
+            add, gain, ablate = (
+                torch.stack([entry[part] for entry in entries]).to(self.device, dtype)
+                for part in range(3)
+            )
+            self.call.stacked[name] = (add, gain, ablate)
+        return self.call.stacked[name]
+
+    def _index(self, values: list[int]) -> Tensor:
+        host = torch.tensor(values, dtype=torch.long)
+        if self.device.type == "cuda":
+            return host.pin_memory().to(self.device, non_blocking=True)
+        return host.to(self.device)
+
+
+def _runs(
+    segments: list[tuple[int, int, int]],
+) -> list[tuple[int, Callable[[Tensor], Tensor]]]:
+    """Segments ``(start, length, position)`` in step order → per run of consecutive positions,
+    its first position and how to take its rows from the joined steps."""
+    runs: list[tuple[int, list[tuple[int, int]]]] = []
+    end = None
+    for start, length, position in segments:
+        if position == end:
+            runs[-1][1].append((start, length))
+        else:
+            runs.append((position, [(start, length)]))
+        end = position + length
+    return [(position, _taker(pieces)) for position, pieces in runs]
+
+
+def _taker(pieces: list[tuple[int, int]]) -> Callable[[Tensor], Tensor]:
+    if len(pieces) == 1:
+        start, length = pieces[0]
+        return lambda joined: joined[start : start + length]
+    index = torch.cat([torch.arange(start, start + length) for start, length in pieces])
+    return lambda joined: joined.index_select(0, index.to(joined.device))
+
+
+def install_graph_sites(runner: Any, names: Sequence[GraphName]) -> GraphSites:
+    """Trace-ready hooks for ``names`` on the runner's freshly loaded model (and vlens's
+    workarounds of vLLM bugs, which must be in place before the trace too)."""
+    model = runner.get_model()
+    apply_cpu_patches(model)
+    config = runner.vllm_config
+    max_tokens = int(config.scheduler_config.max_num_batched_tokens)
+    device = next(model.parameters()).device
+    return GraphSites(model, names, max_tokens, device, config.model_config.dtype)
