@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import math
@@ -584,7 +585,8 @@ class HookedVLLM(WeightViews):
         tags = [f"{call}:{index}" for index in range(len(prompts))]
         request_params = []
         for tag in tags:
-            own = params.clone()
+            # Shallow: vLLM deep-copies each request's parameters itself when it takes them in.
+            own = copy.copy(params)
             own.extra_args = {**(params.extra_args or {}), TAG_KEY: tag}
             request_params.append(own)
         self.engine.on_workers("prepare", dict(zip(tags, plans)))

@@ -21,7 +21,7 @@ Python in the forward is the traced hook only: no per-request work happens insid
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +33,7 @@ from vlens.readers import LogitsOf, Reader
 from vlens.runtime.layout import RequestRows
 from vlens.runtime.patches import apply_cpu_patches
 from vlens.runtime.sites import NarrowedCall, install_site
+from vlens.runtime.step_store import Run, Segment, StepStore, copy_rows
 from vlens.steering import Steer, steered
 
 
@@ -93,15 +94,6 @@ class SteeringBuffers:
 
 
 @dataclass
-class StepCapture:
-    """One step's kept rows: ``chunks[name]`` holds, one after the other, the rows of each
-    ``(tag, length, first_position)`` in ``segments``."""
-
-    segments: list[tuple[str, int, int]]
-    chunks: dict[str, Tensor]
-
-
-@dataclass
 class CallState:
     """What the requests being served asked of the graph (cleared when they finish)."""
 
@@ -112,10 +104,7 @@ class CallState:
     #: name -> every steer's (add, gain, ablate) terms; ``stacked``: the same on the device
     tables: dict[str, list[Terms]] = field(default_factory=lambda: defaultdict(list))
     stacked: dict[str, Terms] = field(default_factory=dict)
-    steps: list[StepCapture] = field(default_factory=list)
-
-
-Run = tuple[int, Tensor]  # (first position, rows)
+    kept: StepStore = field(default_factory=StepStore)
 
 
 class GraphSites:
@@ -213,55 +202,20 @@ class GraphSites:
         keepers = [request for request in layout or () if keep.get(request.tag)]
         if not names or not keepers:
             return
-        rows = [row for request in keepers for row in range(request.start, request.stop)]
-        contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
-        index = None if contiguous else self._index(rows)
-        chunks = {}
+        spans = [(request.start, request.stop) for request in keepers]
+        segments = [Segment(r.tag, r.stop - r.start, r.first_position) for r in keepers]
         for name in names:
-            buffer = self.captured[name]
-            if contiguous:
-                chunk = buffer[rows[0] : rows[0] + len(rows)].clone()
-            else:
-                chunk = buffer.index_select(0, index)
+            rows = copy_rows(self.captured[name], spans)
             if isinstance(self.names[name].read, LogitsOf):
-                chunk = self.model.logits_processor(self.model.lm_head, chunk)
-            chunks[name] = chunk
-        segments = [(r.tag, r.stop - r.start, r.first_position) for r in keepers]
-        self.call.steps.append(StepCapture(segments, chunks))
+                rows = self.model.logits_processor(self.model.lm_head, rows)
+            self.call.kept.add(name, segments, rows)
 
     def finish(self, tags: Sequence[str], device: str = "cpu") -> dict[str, dict[str, list[Run]]]:
-        """Each finished request's kept rows, on ``device``: name → ``[(first_position, rows),
-        ...]`` (one entry per run of consecutive positions). Forgets the call once no request
-        is left.
-
-        Each name's rows of every step are joined and moved to ``device`` once (one transfer
-        per name, not one per request and step); a request's run is then a slice of that copy when
-        its rows are consecutive there (a prefill), else one gather (its decode rows).
-        """
-        wanted = set(tags)
-        # tag -> (start among all steps' kept rows, length, first position), in step order
-        segments: dict[str, list[tuple[int, int, int]]] = defaultdict(list)
-        total = 0
-        for step in self.call.steps:
-            for tag, length, position in step.segments:
-                if tag in wanted:
-                    segments[tag].append((total, length, position))
-                total += length
-        names = {name for step in self.call.steps for name in step.chunks}
+        """Each finished request's kept rows, on ``device`` (see :class:`StepStore`). Forgets
+        the call once no request is left, even when handing back fails."""
         try:
-            joined = {
-                name: torch.cat([step.chunks[name] for step in self.call.steps]).to(device)
-                for name in names
-            }
-            result: dict[str, dict[str, list[Run]]] = {}
-            for tag in tags:
-                runs = _runs(segments.get(tag, []))
-                result[tag] = {
-                    name: [(position, rows(joined[name])) for position, rows in runs]
-                    for name in self.call.keep.get(tag, frozenset())
-                    if name in joined
-                }
-        finally:  # even when handing back fails (e.g. out of memory), the call is over
+            return self.call.kept.take(tags, self.call.keep, device)
+        finally:
             for tag in tags:
                 self.call.keep.pop(tag, None)
                 self.call.steering.pop(tag, None)
@@ -269,7 +223,6 @@ class GraphSites:
                 self.call = CallState()
                 for buffers in self.steering.values():
                     buffers.reset()
-        return result
 
     # ---- helpers -----------------------------------------------------------------------------
 
@@ -289,30 +242,6 @@ class GraphSites:
         if self.device.type == "cuda":
             return host.pin_memory().to(self.device, non_blocking=True)
         return host.to(self.device)
-
-
-def _runs(
-    segments: list[tuple[int, int, int]],
-) -> list[tuple[int, Callable[[Tensor], Tensor]]]:
-    """Segments ``(start, length, position)`` in step order → per run of consecutive positions,
-    its first position and how to take its rows from the joined steps."""
-    runs: list[tuple[int, list[tuple[int, int]]]] = []
-    end = None
-    for start, length, position in segments:
-        if position == end:
-            runs[-1][1].append((start, length))
-        else:
-            runs.append((position, [(start, length)]))
-        end = position + length
-    return [(position, _taker(pieces)) for position, pieces in runs]
-
-
-def _taker(pieces: list[tuple[int, int]]) -> Callable[[Tensor], Tensor]:
-    if len(pieces) == 1:
-        start, length = pieces[0]
-        return lambda joined: joined[start : start + length]
-    index = torch.cat([torch.arange(start, start + length) for start, length in pieces])
-    return lambda joined: joined.index_select(0, index.to(joined.device))
 
 
 def install_graph_sites(runner: Any, names: Sequence[GraphName]) -> GraphSites:

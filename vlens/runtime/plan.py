@@ -37,3 +37,7 @@ class RequestPlan:
     sites: dict[Site, tuple[NamePlan, ...]]
     graph_keep: frozenset[str] = field(default_factory=frozenset)
     steering: tuple[Steer, ...] = ()
+
+    def kept_names(self) -> frozenset[str]:
+        """The names read at sites that this request keeps for its cache."""
+        return frozenset(name.name for names in self.sites.values() for name in names if name.keep)

@@ -24,9 +24,10 @@ from vlens.runtime.graph import GraphSites
 from vlens.runtime.hooks import HookError, run_hooks
 from vlens.runtime.layout import Followed, RequestRows, follow_steps
 from vlens.runtime.patches import apply_cpu_patches
-from vlens.runtime.plan import RequestPlan
+from vlens.runtime.plan import NamePlan, RequestPlan
 from vlens.runtime.probe import ModuleProbe, ModuleRecord
 from vlens.runtime.sites import NarrowedCall, buffers_of, install_site, read_rows
+from vlens.runtime.step_store import Segment, StepStore, copy_rows
 from vlens.runtime.tensor_parallel import TensorParallel
 
 
@@ -56,6 +57,7 @@ class WorkerRuntime:
         self.model: nn.Module = runner.get_model()
         self.wanted: dict[str, RequestPlan] = {}
         self.captures: dict[str, RequestCapture] = {}
+        self.kept = StepStore()  # whole steps' rows of names read without hooks
         self.contexts: dict[str, dict[str, Any]] = {}
         self.handles: dict[Site, Any] = {}
         self.followed: dict[str, Followed] = {}
@@ -90,9 +92,13 @@ class WorkerRuntime:
         """Hand back (on ``device``) and forget what these requests captured; drop sites nobody
         needs now. The requests are forgotten even when handing back fails."""
         captures = {tag: self.captures.pop(tag) for tag in tags}
+        keeps = {tag: self.wanted[tag].kept_names() for tag in tags if tag in self.wanted}
         try:
+            taken = [self.kept.take(tags, keeps, device)]
             if self.graph is not None:
-                for tag, kept in self.graph.finish(tags, device).items():
+                taken.append(self.graph.finish(tags, device))
+            for by_tag in taken:
+                for tag, kept in by_tag.items():
                     for name, runs in kept.items():
                         captures[tag].chunks[name] += [Chunk(*run) for run in runs]
             return handed_back(captures, device)
@@ -105,6 +111,7 @@ class WorkerRuntime:
                     self.handles.pop(site).remove()
             if not self.wanted:
                 self.followed.clear()
+                self.kept.clear()
 
     def module_tree(self) -> str:
         return repr(self.model)
@@ -146,17 +153,23 @@ class WorkerRuntime:
         def on_call(args: tuple, kwargs: dict, output: Any) -> None:
             if site.event == "sampled" and output is None:  # logits live on another rank
                 return
-            buffers = None
+            served = []
             for rows in self._rows_for(site):
                 plan = self.wanted.get(rows.tag)
                 names = plan.sites.get(site) if plan is not None else None
                 capture = self.captures.get(rows.tag)
-                if not names or capture is None or capture.error is not None:
-                    continue
-                buffers = buffers_of(args, kwargs, output) if buffers is None else buffers
-                call = NarrowedCall(
-                    self.model, rows, args, kwargs, output, self.parallel, buffers
-                )
+                if names and capture is not None and capture.error is None:
+                    served.append((rows, plan, names, capture))
+            if not served:
+                return
+            buffers = buffers_of(args, kwargs, output)
+            if site.event != "sampled" and not any(n.hooks for *_, names, _ in served for n in names):
+                self._keep_whole_step(served, NarrowedCall(
+                    self.model, None, args, kwargs, output, self.parallel, buffers
+                ))
+                return
+            for rows, plan, names, capture in served:
+                call = NarrowedCall(self.model, rows, args, kwargs, output, self.parallel, buffers)
                 for name in names:
                     try:
                         if name.hooks:
@@ -177,6 +190,27 @@ class WorkerRuntime:
                         break
 
         return on_call
+
+    def _keep_whole_step(self, served: list, call: NarrowedCall) -> None:
+        """No hook runs here this step: read each name once over the whole step and copy out
+        the rows of the requests that keep it (see :mod:`vlens.runtime.step_store`)."""
+        by_name: dict[str, tuple[NamePlan, list[tuple[RequestRows, RequestCapture]]]] = {}
+        for rows, _, names, capture in served:
+            for name in names:
+                by_name.setdefault(name.name, (name, []))[1].append((rows, capture))
+        for name, (plan, keepers) in by_name.items():
+            try:
+                value = plan.read(call)  # every rank reads: a split value is gathered
+                if self.keeps:
+                    spans = [(rows.start, rows.stop) for rows, _ in keepers]
+                    segments = [
+                        Segment(rows.tag, rows.stop - rows.start, rows.first_position)
+                        for rows, _ in keepers
+                    ]
+                    self.kept.add(name, segments, copy_rows(value, spans))
+            except Exception:  # noqa: BLE001 - reported to each request after the call
+                for _, capture in keepers:
+                    capture.error = f"while reading {name}:\n{traceback.format_exc()}"
 
 
 def handed_back(captures: dict[str, RequestCapture], device: str = "cpu") -> dict[str, RequestCapture]:
