@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from transformers import PretrainedConfig
 
-from vlens.mapping import DerivedSpec, HookSpec, Spec
+from vlens.mapping import DerivedSpec, HookSpec, Spec, site_sources
 from vlens.names import Explain, NamesFilter, select_names
 from vlens.readers import LogitsOf, writable
 from vlens.runtime.graph import GraphName
@@ -42,7 +42,7 @@ def declare(
     known = list(specs)
     captured: set[str] = set()
     for name in _chosen(capture, known, explain):
-        captured |= set(_site_sources(name, specs))
+        captured |= set(site_sources(specs, name))
     steered = set(_chosen(steering, known, explain))
     for name in sorted(captured | steered):
         spec = specs[name]
@@ -52,12 +52,7 @@ def declare(
                 f"declaration (read it and hook it as on an eager engine)"
             )
     for name in sorted(steered):
-        spec = specs[name]
-        if isinstance(spec, DerivedSpec) or not writable(spec.read) or spec.arrange is not None:
-            raise ValueError(
-                f"{name} cannot be steered in the compiled graph: it is not one of vLLM's own "
-                f"position-major tensors; steer a name that feeds it"
-            )
+        check_steerable(name, specs[name])
     graph_names = tuple(
         GraphName(
             name,
@@ -71,6 +66,16 @@ def declare(
         if name in captured | steered and isinstance(spec, HookSpec)
     )
     return CompiledNames(frozenset(captured), frozenset(steered), graph_names)
+
+
+def check_steerable(name: str, spec: Spec) -> None:
+    """A :class:`~vlens.steering.Steer` changes one of vLLM's own position-major tensors through
+    its name's write rule: refuse any other name."""
+    if isinstance(spec, DerivedSpec) or not writable(spec.read) or spec.arrange is not None:
+        raise ValueError(
+            f"{name} cannot be steered with Steer: it is not one of vLLM's own position-major "
+            f"tensors; steer a name that feeds it"
+        )
 
 
 def per_position_shape(spec: HookSpec, config: PretrainedConfig) -> tuple[int, ...]:
@@ -119,10 +124,3 @@ def _chosen(
     if not callable(names) and not isinstance(names, str) and len(names) == 0:
         return []
     return select_names(names, known, explain)
-
-
-def _site_sources(name: str, specs: dict[str, Spec]) -> list[str]:
-    spec = specs[name]
-    if isinstance(spec, DerivedSpec):
-        return [site for source in spec.sources for site in _site_sources(source, specs)]
-    return [name]

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from vlens.mapping import DerivedSpec, Spec
+from vlens.mapping import DerivedSpec, Spec, site_sources
 from vlens.names import Explain, canonical
 from vlens.runtime.plan import HookFunction
 
@@ -51,10 +51,7 @@ class HookRegistry:
 
     def site_sources(self, name: str) -> list[str]:
         """The names read from vLLM that a derived name is built from."""
-        spec = self.specs[name]
-        if not isinstance(spec, DerivedSpec):
-            return [name]
-        return [site for source in spec.sources for site in self.site_sources(source)]
+        return site_sources(self.specs, name)
 
     def add(self, name_or_filter: NameOrFilter, function: HookFunction, permanent: bool) -> None:
         if not callable(function):

@@ -21,7 +21,13 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 
 from vlens.analysis import AnalysisWeights, WeightViews
 from vlens.cache import VLensCache, join_chunks, pad_batch
-from vlens.compiled import EAGER, CompiledNames, declare, per_position_shape
+from vlens.compiled import (
+    EAGER,
+    CompiledNames,
+    check_steerable,
+    declare,
+    per_position_shape,
+)
 from vlens.derived import Batch, SampledTokens, WeightsOn
 from vlens.engine import Engine
 from vlens.hook_registry import FwdHooks, HookRegistry, NameOrFilter
@@ -30,7 +36,7 @@ from vlens.mappings import mapping_for
 from vlens.model_config import ModelConfig
 from vlens.names import NamesFilter, select_names
 from vlens.raw import RAW_NAME, prefill_only, raw_spec
-from vlens.readers import OutputOf, writable
+from vlens.readers import OutputOf
 from vlens.runtime.hooks import HookError
 from vlens.runtime.layout import TAG_KEY
 from vlens.runtime.plan import HookFunction, NamePlan, RequestPlan
@@ -131,7 +137,9 @@ class HookedVLLM(WeightViews):
                     f"it without compiled_capture/compiled_steering (eager mode)"
                 )
             specs = all_specs(mapping, config)
-            compiled = declare(specs, config, compiled_capture, compiled_steering, mapping.unavailable)
+            compiled = declare(
+                specs, config, compiled_capture, compiled_steering, mapping.unavailable
+            )
         tokenizer = AutoTokenizer.from_pretrained(path)
         graph_names = compiled.graph_names if compiled else ()
         engine = Engine(str(path), graph_names, **engine_kwargs)
@@ -446,7 +454,8 @@ class HookedVLLM(WeightViews):
                 f"return_type='logits' reads {LOGITS}, which this compiled engine does not "
                 f"capture: add it to compiled_capture when loading, or pass return_type=None"
             )
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        shown = ", ".join(missing[:5]) + more
         raise ValueError(
             f"{shown} not traced into this compiled engine's graph (it captures "
             f"{len(self.compiled.capture)} names, declared when it was loaded): load it with them "
@@ -494,12 +503,7 @@ class HookedVLLM(WeightViews):
                 f"was loaded: {sorted(self.compiled.steering) or 'none'}); load it with "
                 f"compiled_steering=[{name!r}], or use {EAGER}"
             )
-        spec = self.hook_specs[name]
-        if not isinstance(spec, HookSpec) or spec.arrange is not None or not writable(spec.read):
-            raise ValueError(
-                f"{name} cannot be steered with Steer: it is not one of vLLM's own "
-                f"position-major tensors; steer a name that feeds it"
-            )
+        check_steerable(name, self.hook_specs[name])
         resolved = dataclasses.replace(steer, name=name)
         resolved.terms(self._width(name))  # sizes checked here, before any request runs
         return resolved

@@ -111,6 +111,15 @@ class DerivedSpec:
 
 Spec = HookSpec | DerivedSpec
 
+
+def site_sources(specs: dict[str, Spec], name: str) -> list[str]:
+    """The names read from vLLM sites that ``name`` is (a site name) or is built from (a derived
+    name, through its sources, recursively)."""
+    spec = specs[name]
+    if not isinstance(spec, DerivedSpec):
+        return [name]
+    return [site for source in spec.sources for site in site_sources(specs, source)]
+
 # ---- helpers that mapping files read like the forward pass --------------------------------------
 
 

@@ -165,19 +165,30 @@ def follow_steps(runner: Any, state: StepState) -> None:
         _follow_v2(runner, state)
 
 
+def _start_step(state: StepState, layout: list[RequestRows] | None) -> None:
+    """The step's rows are known and the model is about to run."""
+    state.layout = layout
+    state.last_step = layout or []
+    state.step_started()
+
+
+def _run_step(state: StepState, run: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``run`` (the call that runs the model), then the step's end; its layout is forgotten
+    whatever happens."""
+    try:
+        output = run(*args, **kwargs)
+        state.step_finished()
+        return output
+    finally:
+        state.layout = None
+
+
 def _follow_v1(runner: Any, state: StepState) -> None:
     forward = runner._model_forward
 
     def model_forward(*args: Any, **kwargs: Any) -> Any:
-        state.layout = read_step_layout(runner, state.followed) if state.wanted else None
-        state.last_step = state.layout or []
-        state.step_started()
-        try:
-            output = forward(*args, **kwargs)
-            state.step_finished()
-            return output
-        finally:
-            state.layout = None
+        _start_step(state, read_step_layout(runner, state.followed) if state.wanted else None)
+        return _run_step(state, forward, *args, **kwargs)
 
     runner._model_forward = model_forward
 
@@ -198,18 +209,11 @@ def _follow_v2(runner: Any, state: StepState) -> None:
 
     def prepare(*args: Any, **kwargs: Any) -> Any:
         input_batch = prepare_inputs(*args, **kwargs)
-        state.layout = read_batch_layout(input_batch, state.followed) if state.wanted else None
-        state.last_step = state.layout or []
-        state.step_started()
+        _start_step(state, read_batch_layout(input_batch, state.followed) if state.wanted else None)
         return input_batch
 
     def execute(*args: Any, **kwargs: Any) -> Any:
-        try:
-            output = execute_model(*args, **kwargs)
-            state.step_finished()
-            return output
-        finally:
-            state.layout = None
+        return _run_step(state, execute_model, *args, **kwargs)
 
     runner.add_requests = add
     runner.prepare_inputs = prepare

@@ -162,12 +162,12 @@ class WorkerRuntime:
                     served.append((rows, plan, names, capture))
             if not served:
                 return
-            buffers = buffers_of(args, kwargs, output)
-            if site.event != "sampled" and not any(n.hooks for *_, names, _ in served for n in names):
-                self._keep_whole_step(served, NarrowedCall(
-                    self.model, None, args, kwargs, output, self.parallel, buffers
-                ))
+            hooked = any(name.hooks for *_, names, _ in served for name in names)
+            if site.event != "sampled" and not hooked:
+                whole = NarrowedCall(self.model, None, args, kwargs, output, self.parallel)
+                self._keep_whole_step(served, whole)
                 return
+            buffers = buffers_of(args, kwargs, output)  # to tell a reader's views from new values
             for rows, plan, names, capture in served:
                 call = NarrowedCall(self.model, rows, args, kwargs, output, self.parallel, buffers)
                 for name in names:
@@ -213,7 +213,9 @@ class WorkerRuntime:
                     capture.error = f"while reading {name}:\n{traceback.format_exc()}"
 
 
-def handed_back(captures: dict[str, RequestCapture], device: str = "cpu") -> dict[str, RequestCapture]:
+def handed_back(
+    captures: dict[str, RequestCapture], device: str = "cpu"
+) -> dict[str, RequestCapture]:
     """``captures`` as handed back to the user's process: each name's chunks joined wherever
     their positions run on (a gap, e.g. a prefix-cache hit, stays a gap for the user's side to
     report), and on ``device``.
