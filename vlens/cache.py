@@ -1,8 +1,10 @@
 """Assembling what the workers captured into TransformerLens's ``ActivationCache``.
 
-Each request's values arrive as chunks of rows (a whole prefill, pieces of a chunked prefill, one
-row per decode step). They are joined in position order and right-padded with zeros to
-``[batch, pos, ...]``; ``cache.lengths`` and ``cache.attention_mask`` say which positions are real.
+Values read over whole engine steps arrive already laid out as ``[batch, pos, ...]``, right-padded
+with zeros (:class:`~vlens.runtime.step_store.PaddedRows`); values read where hook functions ran
+arrive per request as chunks of rows (a whole prefill, pieces of a chunked prefill, one row per
+decode step), which are joined in position order and padded here. ``cache.lengths`` and
+``cache.attention_mask`` say which positions are real.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from torch import Tensor
 from transformer_lens.ActivationCache import ActivationCache
 
 from vlens.names import UnknownHookName, canonical, short_form
-from vlens.runtime.worker import Chunk
+from vlens.runtime.step_store import Chunk, PaddedRows
 
 
 def join_chunks(name: str, chunks: Sequence[Chunk], length: int) -> Tensor:
@@ -33,6 +35,24 @@ def join_chunks(name: str, chunks: Sequence[Chunk], length: int) -> Tensor:
     if position != length:
         raise RuntimeError(f"{name}: captured {position} positions, expected {length}")
     return ordered[0].value if len(ordered) == 1 else torch.cat([chunk.value for chunk in ordered])
+
+
+def padded_batch(
+    name: str,
+    captured: Sequence[Sequence[Chunk]],
+    whole_steps: PaddedRows | None,
+    lengths: Sequence[int],
+) -> Tensor:
+    """``[batch, pos, ...]`` values of ``name`` for requests of these ``lengths``: request ``i``'s
+    chunks (``captured[i]``, where hook functions ran) and whole-step reads joined and padded;
+    the whole-step reads' own tensor, uncopied, when they alone hold every position."""
+    if whole_steps is not None and not any(captured) and whole_steps.is_batch(lengths):
+        return whole_steps.values
+    rows = []
+    for index, (chunks, length) in enumerate(zip(captured, lengths)):
+        more = whole_steps.chunks(index) if whole_steps is not None else []
+        rows.append(join_chunks(name, [*chunks, *more], length))
+    return pad_batch(rows)
 
 
 def pad_batch(values: Sequence[Tensor]) -> Tensor:

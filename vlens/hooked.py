@@ -20,7 +20,7 @@ from torch import Tensor
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from vlens.analysis import AnalysisWeights, WeightViews
-from vlens.cache import VLensCache, join_chunks, pad_batch
+from vlens.cache import VLensCache, pad_batch, padded_batch
 from vlens.compiled import (
     EAGER,
     CompiledNames,
@@ -41,6 +41,7 @@ from vlens.runtime.hooks import HookError
 from vlens.runtime.layout import TAG_KEY
 from vlens.runtime.plan import HookFunction, NamePlan, RequestPlan
 from vlens.runtime.probe import ModuleRecord
+from vlens.runtime.step_store import PaddedRows
 from vlens.runtime.worker import RequestCapture
 from vlens.steering import Steer, as_hook_function, steers_by_name
 from vlens.weights import CheckpointWeights
@@ -335,13 +336,19 @@ class HookedVLLM(WeightViews):
         hooks = self.registry.resolve(())
         steers = self._steering(steering, prompt_steering, len(prompts))
         plans = [self._plan(i, kept, hooks, steers[i]) for i in range(len(prompts))]
-        captures, sampled, _ = self._run(prompts, plans, self._greedy(max_new_tokens), str(device))
+        run = self._run(prompts, plans, self._greedy(max_new_tokens), str(device))
+        captures, whole_steps, sampled, _ = run
         generated = sampled if max_new_tokens else [[] for _ in prompts]
         tokens = [p + g[: max(0, len(g) - 1)] for p, g in zip(prompts, generated)]
         lengths = torch.tensor([len(t) for t in tokens])
         sampled_lengths = torch.tensor([len(s) for s in sampled])
         values = {
-            name: self._padded(name, captures, sampled_lengths if self._per_sample(name) else lengths)
+            name: self._padded(
+                name,
+                captures,
+                whole_steps,
+                sampled_lengths if self._per_sample(name) else lengths,
+            )
             for name in kept
         }
         batch = Batch(
@@ -411,7 +418,7 @@ class HookedVLLM(WeightViews):
             seed=seed,
             ignore_eos=not stop_at_eos,
         )
-        _, generated, reasons = self._run(prompts, plans, params)
+        _, _, generated, reasons = self._run(prompts, plans, params)
         if return_type == "result":
             return [
                 Generation(prompt, new, self.to_string(new), reason)
@@ -555,11 +562,17 @@ class HookedVLLM(WeightViews):
         spec = self.hook_specs[name]
         return isinstance(spec, HookSpec) and spec.site.event == "sampled"
 
-    def _padded(self, name: str, captures: list[RequestCapture], lengths: Tensor) -> Tensor:
+    def _padded(
+        self,
+        name: str,
+        captures: list[RequestCapture],
+        whole_steps: dict[str, PaddedRows],
+        lengths: Tensor,
+    ) -> Tensor:
         spec = self.hook_specs[name]
         assert isinstance(spec, HookSpec)
-        rows = [join_chunks(name, c.chunks[name], int(n)) for c, n in zip(captures, lengths)]
-        value = pad_batch(rows)
+        captured = [capture.chunks.get(name, []) for capture in captures]
+        value = padded_batch(name, captured, whole_steps.get(name), lengths.tolist())
         return value if spec.arrange is None else rearrange(value, spec.arrange)
 
     def _derive(self, name: str, values: dict[str, Tensor], batch: Batch) -> Tensor:
@@ -579,10 +592,11 @@ class HookedVLLM(WeightViews):
 
     def _run(
         self, prompts: list[list[int]], plans: list[RequestPlan], params: Any, device: str = "cpu"
-    ) -> tuple[list[RequestCapture], list[list[int]], list[str | None]]:
-        """Submit ``prompts`` together, each followed by its plan; returns what each captured, the
-        tokens each generated and why each stopped. A failure in one request's hooks is raised
-        after the call."""
+    ) -> tuple[list[RequestCapture], dict[str, PaddedRows], list[list[int]], list[str | None]]:
+        """Submit ``prompts`` together, each followed by its plan; returns what each captured
+        where hook functions ran, what was read over whole steps (request ``i`` = prompt ``i``),
+        the tokens each generated and why each stopped. A failure in one request's hooks is
+        raised after the call."""
         from vllm.inputs import TokensPrompt
 
         call = next(_call_ids)
@@ -601,14 +615,15 @@ class HookedVLLM(WeightViews):
                 use_tqdm=False,
             )
         finally:
-            captured = self.engine.on_driver("finish", tags, device)
-        captures = [captured[tag] for tag in tags]
+            handback = self.engine.on_driver("finish", tags, device)
+        captures = [handback.captures[tag] for tag in tags]
         for index, capture in enumerate(captures):
             if capture.error is not None:
                 raise HookError(f"prompt {index}: {capture.error}") from capture.cause
         completions = [output.outputs[0] for output in outputs]
         tokens = [list(completion.token_ids) for completion in completions]
-        return captures, tokens, [completion.finish_reason for completion in completions]
+        reasons = [completion.finish_reason for completion in completions]
+        return captures, handback.padded, tokens, reasons
 
 
 def all_specs(mapping: ArchitectureMapping, config: PretrainedConfig) -> dict[str, Spec]:

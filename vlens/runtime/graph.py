@@ -33,7 +33,7 @@ from vlens.readers import LogitsOf, Reader
 from vlens.runtime.layout import RequestRows
 from vlens.runtime.patches import apply_cpu_patches
 from vlens.runtime.sites import NarrowedCall, install_site
-from vlens.runtime.step_store import Run, Segment, StepStore, copy_rows
+from vlens.runtime.step_store import PaddedRows, Segment, StepStore, copy_rows, row_selection
 from vlens.steering import Steer, steered
 
 
@@ -202,16 +202,16 @@ class GraphSites:
         keepers = [request for request in layout or () if keep.get(request.tag)]
         if not names or not keepers:
             return
-        spans = [(request.start, request.stop) for request in keepers]
+        selection = row_selection([(r.start, r.stop) for r in keepers], self.device)
         segments = [Segment(r.tag, r.stop - r.start, r.first_position) for r in keepers]
         for name in names:
-            rows = copy_rows(self.captured[name], spans)
+            rows = copy_rows(self.captured[name], selection)
             if isinstance(self.names[name].read, LogitsOf):
                 rows = self.model.logits_processor(self.model.lm_head, rows)
             self.call.kept.add(name, segments, rows)
 
-    def finish(self, tags: Sequence[str], device: str = "cpu") -> dict[str, dict[str, list[Run]]]:
-        """Each finished request's kept rows, on ``device`` (see :class:`StepStore`). Forgets
+    def finish(self, tags: Sequence[str], device: str = "cpu") -> dict[str, PaddedRows]:
+        """The finished requests' kept rows, on ``device`` (see :class:`StepStore`). Forgets
         the call once no request is left, even when handing back fails."""
         try:
             return self.call.kept.take(tags, self.call.keep, device)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from vlens.mapping import Site
 from vlens.runtime.graph import GraphSites
@@ -27,25 +27,35 @@ from vlens.runtime.patches import apply_cpu_patches
 from vlens.runtime.plan import NamePlan, RequestPlan
 from vlens.runtime.probe import ModuleProbe, ModuleRecord
 from vlens.runtime.sites import NarrowedCall, buffers_of, install_site, read_rows
-from vlens.runtime.step_store import Segment, StepStore, copy_rows
+from vlens.runtime.step_store import (
+    Chunk,
+    PaddedRows,
+    Segment,
+    StepStore,
+    copy_rows,
+    row_selection,
+)
 from vlens.runtime.tensor_parallel import TensorParallel
 
 
 @dataclass
-class Chunk:
-    """Rows of one name for one request from one engine step, starting at ``first_position``."""
-
-    first_position: int
-    value: Tensor
-
-
-@dataclass
 class RequestCapture:
-    """Everything captured for one request, and the first error raised while capturing it."""
+    """What one request's hook functions' path captured (one chunk per engine step), and the
+    first error raised while capturing it."""
 
     chunks: dict[str, list[Chunk]] = field(default_factory=lambda: defaultdict(list))
     error: str | None = None
     cause: BaseException | None = None
+
+
+@dataclass
+class Handback:
+    """What the workers hand back when a call's requests finish: per request (by tag), what was
+    captured where hook functions ran, and errors; per name, what was read over whole steps
+    (:class:`PaddedRows`, request ``i`` being the ``i``-th tag the call finished)."""
+
+    captures: dict[str, RequestCapture]
+    padded: dict[str, PaddedRows]
 
 
 class WorkerRuntime:
@@ -88,20 +98,18 @@ class WorkerRuntime:
             if site not in self.handles:
                 self.handles[site] = install_site(self.model, site, self._site_fired(site))
 
-    def finish(self, tags: list[str], device: str = "cpu") -> dict[str, RequestCapture]:
+    def finish(self, tags: list[str], device: str = "cpu") -> Handback:
         """Hand back (on ``device``) and forget what these requests captured; drop sites nobody
         needs now. The requests are forgotten even when handing back fails."""
         captures = {tag: self.captures.pop(tag) for tag in tags}
         keeps = {tag: self.wanted[tag].kept_names() for tag in tags if tag in self.wanted}
         try:
-            taken = [self.kept.take(tags, keeps, device)]
+            padded = self.kept.take(tags, keeps, device)
             if self.graph is not None:
-                taken.append(self.graph.finish(tags, device))
-            for by_tag in taken:
-                for tag, kept in by_tag.items():
-                    for name, runs in kept.items():
-                        captures[tag].chunks[name] += [Chunk(*run) for run in runs]
-            return handed_back(captures, device)
+                traced = self.graph.finish(tags, device)
+                assert not traced.keys() & padded.keys(), "a traced name was also read eagerly"
+                padded.update(traced)
+            return Handback(handed_back(captures, device), padded)
         finally:
             for tag in tags:
                 self.wanted.pop(tag, None)
@@ -207,7 +215,8 @@ class WorkerRuntime:
                         Segment(rows.tag, rows.stop - rows.start, rows.first_position)
                         for rows, _ in keepers
                     ]
-                    self.kept.add(name, segments, copy_rows(value, spans))
+                    selection = row_selection(spans, value.device)
+                    self.kept.add(name, segments, copy_rows(value, selection))
             except Exception:  # noqa: BLE001 - reported to each request after the call
                 for _, capture in keepers:
                     capture.error = f"while reading {name}:\n{traceback.format_exc()}"
