@@ -11,9 +11,9 @@ source "$root/parity/gpu_setup.sh" || exit 1
 # fp32 parity between compiled and eager: Triton's dots in IEEE precision (see parity/gpu.sh).
 for v2 in 1 0; do
   (VLLM_USE_V2_MODEL_RUNNER=$v2 TRITON_F32_DEFAULT=ieee TRITON_CACHE_DIR=/tmp/triton-graph$v2 \
-    VLENS_TEST_ENGINE_ARGS='{"gpu_memory_utilization": 0.08}' timeout "${TEST_TIMEOUT:-300}" \
+    VLENS_TEST_ENGINE_ARGS='{"gpu_memory_utilization": 0.08, "kv_cache_memory_bytes": 1073741824}' timeout "${TEST_TIMEOUT:-300}" \
     python3 -m pytest -q -p no:cacheprovider "$root/tests/test_compiled.py" \
-    "$root/tests/test_steering.py" > "$OUT/tests-runner$v2.log" 2>&1
+    "$root/tests/test_steering.py" "$root/tests/test_step_store.py" > "$OUT/tests-runner$v2.log" 2>&1
    echo "graph tier tests, VLLM_USE_V2_MODEL_RUNNER=$v2: exit $?"; tail -2 "$OUT/tests-runner$v2.log") &
 done
 wait

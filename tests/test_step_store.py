@@ -81,3 +81,15 @@ def test_row_selection_is_a_slice_for_consecutive_spans_else_an_index():
     copied = copy_rows(value, slice(2, 4))
     copied[0] = -1
     assert value[2] == 2  # a copy, not a view of the step's buffer
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_rows_read_on_a_gpu_come_back_where_asked(device):
+    store = StepStore()
+    store.add("x", [Segment("a", 2, 0), Segment("b", 1, 0)], rows(1, 2, 3).cuda())
+    store.add("x", [Segment("b", 1, 1)], rows(4).cuda())
+    taken = store.take(["a", "b"], {"a": KEEP_X, "b": KEEP_X}, device)["x"]
+    assert taken.values.device.type == device
+    assert taken.values.is_pinned() == (device == "cpu")  # one transfer, into pinned memory
+    assert taken.values.squeeze(-1).tolist() == [[1, 2], [3, 4]]

@@ -76,7 +76,7 @@ class AttentionScores(SameForEveryLayer):
         k = repeat(k, "b k kv d -> b k (kv group) d", group=group)
         scores = einsum(q.float(), k.float(), "b q h d, b k h d -> b h q k") * self.scale
         n = q.shape[1]
-        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
         visible = causal[None, None] & batch.mask[:, None, None, :]
         return scores.masked_fill(~visible, float("-inf")).to(q.dtype)
 
