@@ -146,12 +146,22 @@ class _Layout:
     def scatter(self, steps: Sequence[tuple[object, Tensor]], device: torch.device) -> Tensor:
         """The padded ``[batch, width, ...]`` batch of these steps' rows, on ``device``."""
         rows = [step_rows for _, step_rows in steps]
-        joined = rows[0] if len(rows) == 1 else torch.cat(rows)
-        if self.source is not None:
-            joined = joined.index_select(0, self.source.to(joined.device))
-        padded = joined.new_zeros((self.batch * self.width, *joined.shape[1:]))
-        padded.index_copy_(0, self.target.to(joined.device), joined)
-        return _moved(padded.view(self.batch, self.width, *joined.shape[1:]), device)
+        trailing = rows[0].shape[1:]
+        shape = (self.batch * self.width, *trailing)
+        filled = all(spans == [(0, self.width)] for spans in self.spans)
+        padded = rows[0].new_empty(shape) if filled else rows[0].new_zeros(shape)
+        if self.source is None and not rows[0].is_cuda:
+            # on the host each pass over the values counts: each step straight to its rows
+            offset = 0
+            for step_rows in rows:
+                padded.index_copy_(0, self.target[offset : offset + len(step_rows)], step_rows)
+                offset += len(step_rows)
+        else:  # on a GPU: one join and one scatter instead of a launch per step
+            joined = rows[0] if len(rows) == 1 else torch.cat(rows)
+            if self.source is not None:
+                joined = joined.index_select(0, self.source.to(joined.device))
+            padded.index_copy_(0, self.target.to(joined.device), joined)
+        return _moved(padded.view(self.batch, self.width, *trailing), device)
 
 
 def _row_index(starts: np.ndarray, lengths: np.ndarray) -> Tensor:
