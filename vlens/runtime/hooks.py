@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -32,15 +33,25 @@ class Hook:
     """The ``hook`` argument of a hook function: TransformerLens's ``HookPoint`` surface
     (``name``, ``layer()``, ``ctx``) plus where these rows sit.
 
-    ``request`` is the prompt's index in the call; ``positions`` the absolute sequence positions
-    of the rows; ``is_prefill`` False on decode steps.
+    ``request`` is the prompt's index in the call; ``is_prefill`` False on decode steps;
+    :attr:`positions` the absolute sequence positions of its ``length`` rows, from
+    ``first_position`` on, on the value's ``device``.
     """
 
     name: str
     request: int
-    positions: Tensor
+    first_position: int
+    length: int
     is_prefill: bool
+    device: torch.device
     ctx: dict[str, Any] = field(default_factory=dict)
+
+    @cached_property
+    def positions(self) -> Tensor:
+        """Made when first asked for (most hooks never do), where the value is, so that
+        ``x[:, hook.positions >= 5]`` works on a GPU as on the CPU."""
+        end = self.first_position + self.length
+        return torch.arange(self.first_position, end, device=self.device)
 
     def layer(self) -> int:
         found = re.match(r"blocks\.(\d+)\.", self.name)
@@ -81,8 +92,10 @@ def run_hooks(
     hook = Hook(
         name=plan.name,
         request=index,
-        positions=torch.arange(rows.first_position, rows.first_position + rows.stop - rows.start),
+        first_position=rows.first_position,
+        length=rows.stop - rows.start,
         is_prefill=rows.is_prefill,
+        device=value.device,
         ctx=contexts.setdefault(plan.name, {}),
     )
     for function in plan.hooks:
