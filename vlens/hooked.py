@@ -441,19 +441,17 @@ class HookedVLLM(WeightViews):
         derived from such names only."""
         if self.compiled is None:
             return True
-        return all(
-            site in self.compiled.capture or self._per_sample(site)
-            for site in self.registry.site_sources(name)
-        )
+        return all(self._in_graph_or_after(site) for site in self.registry.site_sources(name))
+
+    def _in_graph_or_after(self, name: str) -> bool:
+        """On a compiled engine: whether ``name`` is traced into its graph or read after the
+        forward (the sampler's names), so that no hook of the forward is needed for it."""
+        return name in self.compiled.capture or self._per_sample(name)
 
     def _refuse_outside_graph(self, kept: list[str], return_type: str | None) -> None:
         if self.compiled is None:
             return
-        missing = [
-            name
-            for name in kept
-            if name not in self.compiled.capture and not self._per_sample(name)
-        ]
+        missing = [name for name in kept if not self._in_graph_or_after(name)]
         if not missing:
             return
         if missing == [LOGITS] and return_type == "logits":

@@ -33,7 +33,7 @@ from vlens.readers import LogitsOf, Reader
 from vlens.runtime.layout import RequestRows
 from vlens.runtime.patches import apply_cpu_patches
 from vlens.runtime.sites import NarrowedCall, install_site
-from vlens.runtime.step_store import PaddedRows, Segment, StepStore, copy_rows, row_selection
+from vlens.runtime.step_store import PaddedRows, StepStore, copy_rows, kept_rows
 from vlens.steering import Steer, steered
 
 
@@ -202,8 +202,7 @@ class GraphSites:
         keepers = [request for request in layout or () if keep.get(request.tag)]
         if not names or not keepers:
             return
-        selection = row_selection([(r.start, r.stop) for r in keepers], self.device)
-        segments = [Segment(r.tag, r.stop - r.start, r.first_position) for r in keepers]
+        selection, segments = kept_rows(keepers, self.device)
         for name in names:
             rows = copy_rows(self.captured[name], selection)
             if isinstance(self.names[name].read, LogitsOf):

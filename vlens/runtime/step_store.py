@@ -20,6 +20,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from vlens.runtime.layout import RequestRows
+
 Span = tuple[int, int]  # (first position, length)
 
 
@@ -198,6 +200,15 @@ def _moved(value: Tensor, device: torch.device) -> Tensor:
         host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
         return host.copy_(value, non_blocking=True)
     return value.to(device)
+
+
+def kept_rows(
+    requests: Sequence[RequestRows], device: torch.device
+) -> tuple[slice | Tensor, list[Segment]]:
+    """Where these requests' rows lie in a step (:func:`row_selection`) and whose they are: worked
+    out once per step and shared by every name read in it."""
+    selection = row_selection([(r.start, r.stop) for r in requests], device)
+    return selection, [Segment(r.tag, r.stop - r.start, r.first_position) for r in requests]
 
 
 def row_selection(spans: Sequence[tuple[int, int]], device: torch.device) -> slice | Tensor:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from vlens.mapping import Site
 from vlens.runtime.graph import GraphSites
@@ -27,14 +27,7 @@ from vlens.runtime.patches import apply_cpu_patches
 from vlens.runtime.plan import NamePlan, RequestPlan
 from vlens.runtime.probe import ModuleProbe, ModuleRecord
 from vlens.runtime.sites import NarrowedCall, buffers_of, install_site, read_rows
-from vlens.runtime.step_store import (
-    Chunk,
-    PaddedRows,
-    Segment,
-    StepStore,
-    copy_rows,
-    row_selection,
-)
+from vlens.runtime.step_store import Chunk, PaddedRows, Segment, StepStore, copy_rows, kept_rows
 from vlens.runtime.tensor_parallel import TensorParallel
 
 
@@ -68,6 +61,8 @@ class WorkerRuntime:
         self.wanted: dict[str, RequestPlan] = {}
         self.captures: dict[str, RequestCapture] = {}
         self.kept = StepStore()  # whole steps' rows of names read without hooks
+        #: this step's kept rows by the tags that keep them (:func:`kept_rows`), for every name
+        self.step_rows: dict[tuple[str, ...], tuple[slice | Tensor, list[Segment]]] = {}
         self.contexts: dict[str, dict[str, Any]] = {}
         self.handles: dict[Site, Any] = {}
         self.followed: dict[str, Followed] = {}
@@ -141,6 +136,7 @@ class WorkerRuntime:
     # ---- around and inside the forward -------------------------------------------------------
 
     def step_started(self) -> None:
+        self.step_rows.clear()
         if self.graph is not None:
             self.graph.before_step(self.layout)
 
@@ -210,12 +206,11 @@ class WorkerRuntime:
             try:
                 value = plan.read(call)  # every rank reads: a split value is gathered
                 if self.keeps:
-                    spans = [(rows.start, rows.stop) for rows, _ in keepers]
-                    segments = [
-                        Segment(rows.tag, rows.stop - rows.start, rows.first_position)
-                        for rows, _ in keepers
-                    ]
-                    selection = row_selection(spans, value.device)
+                    requests = [rows for rows, _ in keepers]
+                    tags = tuple(rows.tag for rows in requests)
+                    if tags not in self.step_rows:
+                        self.step_rows[tags] = kept_rows(requests, value.device)
+                    selection, segments = self.step_rows[tags]
                     self.kept.add(name, segments, copy_rows(value, selection))
             except Exception:  # noqa: BLE001 - reported to each request after the call
                 for _, capture in keepers:
