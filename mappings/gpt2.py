@@ -34,7 +34,10 @@ Conventions, TransformerLens's where it and HuggingFace differ in form:
   norm's input with the config's eps (vLLM's LayerNorm never forms them).
 - No rotary: attention scores are rebuilt from ``hook_q`` and ``hook_k`` with GPT-2's scale
   ``1/sqrt(d_head)``, masked to -inf (HuggingFace masks with the dtype's minimum instead; the
-  pattern is the same).
+  pattern is the same). Where a hook function is on scores, pattern or per-head results, the
+  worker computes that layer's attention from ``attn``'s inputs and writes z as its output;
+  per-head results through ``c_proj``, whose bias is ``b_O``
+  (:class:`~vlens.mapping.ExplicitAttention`).
 - HuggingFace's checkpoint stores ``c_attn``, ``c_proj`` and ``c_fc`` as Conv1D, ``[in, out]``:
   per-head results read ``W_O`` transposed accordingly. vLLM transposes them when loading.
 - ``hook_k_input``/``hook_v_input`` and ``hook_k``/``hook_v`` have every head (no grouped keys).
@@ -45,6 +48,7 @@ from transformers import PretrainedConfig
 from vlens.mapping import (
     ArchitectureMapping,
     Argument,
+    ExplicitAttention,
     Spec,
     attention_pattern,
     attention_scores,
@@ -76,6 +80,18 @@ def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
     resid_mid = entering(f"{LAYER}.ln_2", Argument(0, "x"))
     resid_final = entering("transformer.ln_f", Argument(0, "x"))
     qkv = leaving(f"{ATTN}.c_attn", element=0)
+    scale = d_head**-0.5
+    explicit = ExplicitAttention(
+        kernel=f"{ATTN}.attn",
+        query=Argument(0, "query"),
+        key=Argument(1, "key"),
+        value=Argument(2, "value"),
+        projection=f"{ATTN}.c_proj",
+        heads=heads,
+        kv_heads=heads,
+        d_head=d_head,
+        scale=scale,
+    )
     return {
         "hook_embed": leaving("transformer.wte"),
         "hook_pos_embed": leaving("transformer.wpe"),
@@ -90,12 +106,15 @@ def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
         f"{BLOCK}.attn.hook_k": per_head(columns(qkv, d_model, 2 * d_model, "pos"), d_head),
         f"{BLOCK}.attn.hook_v": per_head(columns(qkv, 2 * d_model, 3 * d_model, "pos"), d_head),
         f"{BLOCK}.attn.hook_attn_scores": attention_scores(
-            f"{BLOCK}.attn.hook_q", f"{BLOCK}.attn.hook_k", scale=d_head**-0.5
+            f"{BLOCK}.attn.hook_q", f"{BLOCK}.attn.hook_k", scale, explicit
         ),
-        f"{BLOCK}.attn.hook_pattern": attention_pattern(f"{BLOCK}.attn.hook_attn_scores"),
+        f"{BLOCK}.attn.hook_pattern": attention_pattern(f"{BLOCK}.attn.hook_attn_scores", explicit),
         f"{BLOCK}.attn.hook_z": per_head(entering(f"{ATTN}.c_proj", Argument(0, "input_")), d_head),
         f"{BLOCK}.attn.hook_result": conv1d_head_results(
-            f"{BLOCK}.attn.hook_z", f"{LAYER}.attn.c_proj.weight", "h.{layer}.attn.c_proj.weight"
+            f"{BLOCK}.attn.hook_z",
+            f"{LAYER}.attn.c_proj.weight",
+            "h.{layer}.attn.c_proj.weight",
+            explicit=explicit,
         ),
         f"{BLOCK}.hook_attn_out": leaving(ATTN),
         f"{BLOCK}.hook_resid_mid": resid_mid,
@@ -117,14 +136,25 @@ def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
 WEIGHTS = WeightNames(
     normalization="LN",
     eps="layer_norm_epsilon",
-    W_O="transformer.h.{layer}.attn.c_proj.weight",
-    b_O="transformer.h.{layer}.attn.c_proj.bias",
-    W_out="transformer.h.{layer}.mlp.c_proj.weight",
-    b_out="transformer.h.{layer}.mlp.c_proj.bias",
-    W_U=("lm_head.weight", "transformer.wte.weight"),
+    W_E="transformer.wte.weight",
+    W_pos="transformer.wpe.weight",
+    W_QKV=f"{ATTN}.c_attn.weight",
+    b_QKV=f"{ATTN}.c_attn.bias",
+    W_O=f"{ATTN}.c_proj.weight",
+    b_O=f"{ATTN}.c_proj.bias",
+    W_in=f"{MLP}.c_fc.weight",
+    b_in=f"{MLP}.c_fc.bias",
+    W_out=f"{MLP}.c_proj.weight",
+    b_out=f"{MLP}.c_proj.bias",
+    ln1_w=f"{LAYER}.ln_1.weight",
+    ln1_b=f"{LAYER}.ln_1.bias",
+    ln2_w=f"{LAYER}.ln_2.weight",
+    ln2_b=f"{LAYER}.ln_2.bias",
     ln_final_w="transformer.ln_f.weight",
     ln_final_b="transformer.ln_f.bias",
+    W_U=("lm_head.weight", "transformer.wte.weight"),
     conv1d=True,
+    optional_prefix="transformer.",
 )
 
 MAPPING = ArchitectureMapping(

@@ -20,7 +20,9 @@ vLLM fuses each residual add into the RMSNorm that follows it. One decoder layer
 After the last layer ``model.norm(hidden, residual)`` adds them once more and normalises; the
 logits processor applies ``lm_head`` to its first output. Attention scores and patterns are
 rebuilt from the rotated q and k (vLLM never forms them); per-head results use the checkpoint's
-``o_proj`` weight.
+``o_proj`` weight. Where a hook function is on them, the worker computes that layer's attention
+from ``attn``'s inputs (q and k rotated, v) and writes z as ``attn``'s output; per-head results
+through ``o_proj`` (:class:`~vlens.mapping.ExplicitAttention`).
 """
 
 from transformers import PretrainedConfig
@@ -28,6 +30,7 @@ from transformers import PretrainedConfig
 from vlens.mapping import (
     ArchitectureMapping,
     Argument,
+    ExplicitAttention,
     Shards,
     Spec,
     attention_pattern,
@@ -75,6 +78,18 @@ def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
     gate_up = leaving(f"{MLP}.gate_up_proj", element=0, shards=Shards(-1, (d_mlp, d_mlp)))
     z = entering(f"{ATTN}.o_proj", Argument(0, "input_", q_heads))
     post = entering(f"{MLP}.down_proj", Argument(0, "input_", Shards(-1, (d_mlp,))), shape="pos d_mlp")
+    scale = d_head**-0.5
+    explicit = ExplicitAttention(
+        kernel=f"{ATTN}.attn",
+        query=Argument(0, "query"),
+        key=Argument(1, "key"),
+        value=Argument(2, "value"),
+        projection=f"{ATTN}.o_proj",
+        heads=heads,
+        kv_heads=kv_heads,
+        d_head=d_head,
+        scale=scale,
+    )
     return {
         "hook_embed": leaving("model.embed_tokens"),
         f"{BLOCK}.hook_resid_pre": resid_pre,
@@ -94,12 +109,12 @@ def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
             entering(f"{ATTN}.attn", Argument(1, "key", kv_heads_split)), d_head, "kv_head"
         ),
         f"{BLOCK}.attn.hook_attn_scores": attention_scores(
-            f"{BLOCK}.attn.hook_rot_q", f"{BLOCK}.attn.hook_rot_k", scale=d_head**-0.5
+            f"{BLOCK}.attn.hook_rot_q", f"{BLOCK}.attn.hook_rot_k", scale, explicit
         ),
-        f"{BLOCK}.attn.hook_pattern": attention_pattern(f"{BLOCK}.attn.hook_attn_scores"),
+        f"{BLOCK}.attn.hook_pattern": attention_pattern(f"{BLOCK}.attn.hook_attn_scores", explicit),
         f"{BLOCK}.attn.hook_z": per_head(z, d_head),
         f"{BLOCK}.attn.hook_result": head_results(
-            f"{BLOCK}.attn.hook_z", w_o="model.layers.{layer}.self_attn.o_proj.weight"
+            f"{BLOCK}.attn.hook_z", "model.layers.{layer}.self_attn.o_proj.weight", explicit
         ),
         f"{BLOCK}.hook_attn_out": leaving(ATTN),
         f"{BLOCK}.hook_resid_mid": resid_mid,
@@ -120,10 +135,25 @@ def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
 WEIGHTS = WeightNames(
     normalization="RMS",
     eps="rms_norm_eps",
-    W_O="model.layers.{layer}.self_attn.o_proj.weight",
-    W_out="model.layers.{layer}.mlp.down_proj.weight",
-    W_U=("lm_head.weight", "model.embed_tokens.weight"),
+    W_E="model.embed_tokens.weight",
+    W_Q=f"{ATTN}.q_proj.weight",
+    W_K=f"{ATTN}.k_proj.weight",
+    W_V=f"{ATTN}.v_proj.weight",
+    W_O=f"{ATTN}.o_proj.weight",
+    # Present only where the config asks for biases (attention_bias, mlp_bias).
+    b_Q=f"{ATTN}.q_proj.bias",
+    b_K=f"{ATTN}.k_proj.bias",
+    b_V=f"{ATTN}.v_proj.bias",
+    b_O=f"{ATTN}.o_proj.bias",
+    W_in=f"{MLP}.up_proj.weight",
+    b_in=f"{MLP}.up_proj.bias",
+    W_gate=f"{MLP}.gate_proj.weight",
+    W_out=f"{MLP}.down_proj.weight",
+    b_out=f"{MLP}.down_proj.bias",
+    ln1_w=f"{LAYER}.input_layernorm.weight",
+    ln2_w=f"{LAYER}.post_attention_layernorm.weight",
     ln_final_w="model.norm.weight",
+    W_U=("lm_head.weight", "model.embed_tokens.weight"),
 )
 
 MAPPING = ArchitectureMapping(

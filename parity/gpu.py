@@ -1,7 +1,7 @@
 """``python -m vlens.parity.gpu``: the parity check on a CUDA device, and steering isolation.
 
 Run it once per model runner (vLLM reads ``VLLM_USE_V2_MODEL_RUNNER`` when the engine is built;
-``parity/gpu.sh`` runs both, side by side). For each tiny architecture and each ``--dtype``, one
+``tools/gpu/gpu.sh`` runs both at once). For each tiny architecture and each ``--dtype``, one
 engine; every canonical name is compared with HuggingFace (fp32, eager attention, on the CPU, same
 checkpoint), on the prompts (*prefill*) and on the prompts continued by greedy decoding (*decode*),
 for the prompts submitted together (*batch*: a mixed batch of different lengths) and each

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 
@@ -33,11 +32,20 @@ def hooked() -> Callable[..., HookedVLLM]:
     return get
 
 
-@pytest.fixture(params=["qwen3", "llama"])
-def rotary_arch(request: pytest.FixtureRequest) -> str:
-    return request.param
+@pytest.fixture(scope="session")
+def bridge() -> Callable[[str], object]:
+    """``bridge("llama")``: TransformerLens's ``TransformerBridge`` on the same tiny checkpoint
+    as ``hooked("llama")`` (HuggingFace numerics, HookedTransformer names), built once."""
+    import torch
+    from transformer_lens.model_bridge import TransformerBridge
 
+    bridges: dict[str, object] = {}
 
-@pytest.fixture
-def checkpoint(rotary_arch: str) -> Path:
-    return tiny_model(rotary_arch)
+    def get(arch: str) -> object:
+        if arch not in bridges:
+            booted = TransformerBridge.boot_transformers(str(tiny_model(arch)), dtype=torch.float32)
+            booted.enable_compatibility_mode(no_processing=True)
+            bridges[arch] = booted
+        return bridges[arch]
+
+    return get

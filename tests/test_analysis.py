@@ -5,9 +5,11 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from torch import Tensor
+from transformer_lens import ActivationCache
 from transformer_lens.model_bridge import TransformerBridge
 
-from vlens.testing import tiny_model
+from vlens import HookedVLLM
 
 TEXT = "The analysis methods of TransformerLens run on vlens caches"
 LAYER = 2
@@ -34,13 +36,18 @@ METHODS: dict[str, Callable] = {
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3", "gpt2"])
-def caches(request, hooked):
-    arch = request.param
-    model = hooked(arch)
-    bridge = TransformerBridge.boot_transformers(str(tiny_model(arch)), dtype=torch.float32)
-    bridge.enable_compatibility_mode(no_processing=True)
+def models(request, hooked, bridge) -> tuple[HookedVLLM, TransformerBridge]:
+    """The session's engine and TransformerLens's own model of the same checkpoint."""
+    return hooked(request.param), bridge(request.param)
+
+
+@pytest.fixture(scope="module")
+def caches(models) -> tuple[ActivationCache, ActivationCache, Tensor]:
+    model, bridge = models
     tokens = model.to_tokens(TEXT)
-    _, ours = model.run_with_cache(TEXT, names_filter=lambda n: "pattern" not in n and "scores" not in n)
+    _, ours = model.run_with_cache(
+        TEXT, names_filter=lambda n: "pattern" not in n and "scores" not in n
+    )
     _, theirs = bridge.run_with_cache(tokens)
     return ours, theirs, tokens
 
@@ -54,10 +61,16 @@ def test_method_matches_transformer_lens(caches, method):
     torch.testing.assert_close(a.float(), b.float(), rtol=1e-4, atol=1e-4)
 
 
-def test_weight_views_are_transformer_lens_layouts(hooked):
-    model = hooked("llama")
-    assert model.W_U.shape == (model.cfg.d_model, model.cfg.d_vocab)
-    assert model.blocks[0].attn.W_O.shape == (model.cfg.n_heads, model.cfg.d_head, model.cfg.d_model)
-    assert model.blocks[0].mlp.W_out.shape == (model.cfg.d_mlp, model.cfg.d_model)
+def test_weight_views_equal_transformer_lens(models):
+    model, bridge = models
+    exact = {"rtol": 0, "atol": 0}  # the same checkpoint tensors, in the same layouts
+    torch.testing.assert_close(model.W_U, bridge.W_U, **exact)
+    torch.testing.assert_close(model.W_O, bridge.W_O, **exact)
+    torch.testing.assert_close(model.W_out, bridge.W_out, **exact)
     token = model.token_lists("the")[0][0]
-    assert torch.equal(model.tokens_to_residual_directions(token), model.W_U[:, token])
+    for tokens in (token, torch.tensor([[3, 9], [5, 300]])):
+        torch.testing.assert_close(
+            model.tokens_to_residual_directions(tokens),
+            bridge.tokens_to_residual_directions(tokens),
+            **exact,
+        )

@@ -1,13 +1,15 @@
 """Per-request narrowing: a prompt's values do not depend on what it was batched with, and values
 kept by the user are their own (vLLM reuses its buffers in place)."""
 
+import pytest
 import torch
 
 TEXTS = ["A short one", "A much longer prompt that runs on for quite a few more tokens", "Mid size"]
 
 
-def test_mixed_batch_equals_each_prompt_alone(hooked, rotary_arch):
-    model = hooked(rotary_arch)
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt2"])
+def test_mixed_batch_equals_each_prompt_alone(hooked, arch: str):
+    model = hooked(arch)
     batch_logits, batch = model.run_with_cache(TEXTS)
     for index, text in enumerate(TEXTS):
         logits, alone = model.run_with_cache(text)

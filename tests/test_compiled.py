@@ -174,13 +174,32 @@ def test_names_read_after_the_forward_need_no_declaration():
         HookedVLLM.from_pretrained(tiny_model("llama"), compiled_capture=["sampler.hook_logits"])
 
 
-def test_the_cache_can_stay_where_it_is_asked_to(compiled):
-    logits, cache = compiled.run_with_cache(PROMPTS, names_filter=["blocks.1.attn.hook_pattern"],
-                                            device="cpu", max_new_tokens=2)
-    assert logits.device.type == "cpu" and cache["blocks.1.attn.hook_pattern"].device.type == "cpu"
+def test_the_cache_and_logits_are_moved_to_the_device_asked_for(compiled):
+    """The engine computes on the CPU here; "meta" is a device every machine has, so values found
+    there were moved by the ``device`` argument, derived names (the pattern) included."""
+    names = ["blocks.1.hook_resid_post", "blocks.1.attn.hook_pattern"]
+    logits, cache = compiled.run_with_cache(PROMPTS, names_filter=names, device="meta",
+                                            max_new_tokens=2)
+    logits_cpu, on_cpu = compiled.run_with_cache(PROMPTS, names_filter=names, max_new_tokens=2)
+    assert logits.device.type == "meta" and logits.shape == logits_cpu.shape
+    for name in names:
+        assert cache[name].device.type == "meta", name
+        assert cache[name].shape == on_cpu[name].shape, name
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the engine's device is the CPU here")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_an_unavailable_device_is_refused_and_the_engine_keeps_serving(compiled):
+    """Asking for CUDA where there is none fails the call with an error that names it, and the
+    next call returns the same values as before: the failed hand-back left nothing behind."""
+    names = ["blocks.1.hook_resid_post"]
+    _, before = compiled.run_with_cache(PROMPTS, names_filter=names, return_type=None)
+    with pytest.raises((AssertionError, RuntimeError), match="CUDA|NVIDIA"):
+        compiled.run_with_cache(PROMPTS, names_filter=names, device="cuda")
+    _, after = compiled.run_with_cache(PROMPTS, names_filter=names, return_type=None)
+    assert torch.equal(after[names[0]], before[names[0]])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the engine runs on the CPU")
 def test_a_cache_kept_on_the_gpu_equals_the_one_on_the_cpu(compiled):
     names = ["blocks.1.hook_resid_post", "blocks.1.attn.hook_pattern"]
     logits_gpu, on_gpu = compiled.run_with_cache(PROMPTS, names_filter=names, device="cuda",

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from vlens.runtime.layout import TAG_KEY, RequestRows, follow_steps, runner_kind
-from vlens.runtime.step_store import Chunk
-from vlens.runtime.worker import RequestCapture, handed_back
+from vlens.runtime.messages import Chunk, RequestCapture
+from vlens.runtime.worker import handed_back
 
 TEXTS = [
     "The first prompt is of middling length",

@@ -55,7 +55,7 @@ def test_run_with_cache_unknown_name_fails_before_running(hooked):
 
 
 def test_engine_arguments_vlens_cannot_honour():
-    from vlens.engine import engine_args
+    from vlens.support import engine_args
 
     with pytest.raises(ValueError, match="eager"):
         engine_args({"enforce_eager": False})

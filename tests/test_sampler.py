@@ -26,12 +26,11 @@ def test_logit_hook_bans_tokens_for_one_request_only(hooked):
     forced = 7
 
     def force(logits, hook):
-        if hook.request == 0:
-            logits[...] = -1e9
-            logits[..., forced] = 0.0
+        logits[...] = -1e9
+        logits[..., forced] = 0.0
 
     results = model.generate(TEXTS, max_new_tokens=5, do_sample=False, return_type="result",
-                             fwd_hooks=[("sampler.hook_logits", force)])
+                             prompt_hooks=[[("sampler.hook_logits", force)], []])
     assert results[0].tokens == [forced] * 5
     alone = model.generate(TEXTS[1], max_new_tokens=5, do_sample=False, return_type="result")[0]
     assert results[1].tokens == alone.tokens

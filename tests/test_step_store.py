@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from vlens.cache import padded_batch
-from vlens.runtime.step_store import Chunk, Segment, StepStore, copy_rows, row_selection
+from vlens.runtime.messages import Chunk
+from vlens.runtime.step_store import Segment, StepStore, copy_rows, row_selection
 
 KEEP_X = frozenset({"x"})
 

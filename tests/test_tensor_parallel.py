@@ -36,17 +36,66 @@ def test_steering_a_split_value_equals_one_rank(two_ranks, hooked):
     shift = torch.randn(single.cfg.n_heads, single.cfg.d_head, generator=generator)
 
     def steer(z, hook):
-        if hook.request == 0:
-            z[:, :] += shift  # in place, on the whole value: written back as each rank's slice
+        z[:, :] += shift  # in place, on the whole value: written back as each rank's slice
 
-    hooks = [("blocks.1.attn.hook_z", steer)]
-    ours = parallel.generate(TEXTS, max_new_tokens=6, do_sample=False, fwd_hooks=hooks, return_type="tokens")
-    theirs = single.generate(TEXTS, max_new_tokens=6, do_sample=False, fwd_hooks=hooks, return_type="tokens")
+    hooks = [[("blocks.1.attn.hook_z", steer)], []]  # prompt 0 only
+    ours = parallel.generate(TEXTS, max_new_tokens=6, do_sample=False, prompt_hooks=hooks, return_type="tokens")
+    theirs = single.generate(TEXTS, max_new_tokens=6, do_sample=False, prompt_hooks=hooks, return_type="tokens")
     assert ours == theirs
     assert ours[0] != single.generate(TEXTS[0], max_new_tokens=6, do_sample=False, return_type="tokens")[0]
+
+
+def test_a_shared_hook_on_the_batch_equals_one_rank(two_ranks, hooked):
+    """Equal-length prompts: every rank runs the shared hook once on the batch (it indexes prompt
+    1 of it; a per-prompt call would fail), with the split value gathered and written back."""
+    arch, parallel = two_ranks
+    single = hooked(arch)
+    tokens = torch.randint(2, 500, (2, 6), generator=torch.Generator().manual_seed(4))
+    shift = torch.randn(single.cfg.n_heads, single.cfg.d_head, generator=torch.Generator().manual_seed(5))
+
+    def steer_second(z, hook):
+        assert z.shape[0] == 2 and hook.requests == (0, 1)
+        z[1] += shift
+
+    hooks = [("blocks.1.attn.hook_z", steer_second)]
+    ours = parallel.generate(tokens, max_new_tokens=6, do_sample=False, fwd_hooks=hooks, return_type="tokens")
+    theirs = single.generate(tokens, max_new_tokens=6, do_sample=False, fwd_hooks=hooks, return_type="tokens")
+    assert ours == theirs
+    plain = single.generate(tokens, max_new_tokens=6, do_sample=False, return_type="tokens")
+    assert ours[0] == plain[0] and ours[1] != plain[1]
 
 
 def test_raw_locations_are_refused_under_tensor_parallelism(two_ranks):
     _, parallel = two_ranks
     with pytest.raises(NotImplementedError, match="tensor parallelism"):
         parallel.run_with_cache("x", names_filter="model.layers.0.mlp.act_fn.output")
+
+
+def test_worker_processes_import_neither_the_facade_nor_transformer_lens():
+    """A spawned worker (as on a GPU, where vLLM never forks) loads vlens's runtime only."""
+    import subprocess
+    import sys
+
+    script = """
+import os, sys
+os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+from vlens import HookedVLLM
+from vlens.testing import tiny_model
+model = HookedVLLM.from_pretrained(tiny_model("llama"), dtype="float32", tensor_parallel_size=2)
+model.run_with_cache("spawned workers", names_filter="blocks.0.hook_resid_post")
+def loaded(worker):
+    return sorted(m for m in sys.modules if m.split(".")[0] in ("vlens", "transformer_lens"))
+import cloudpickle
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+for modules in model.engine.llm.collective_rpc(loaded):
+    print("WORKER", " ".join(modules))
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=600
+    )
+    workers = [line.split()[1:] for line in result.stdout.splitlines() if line.startswith("WORKER")]
+    assert len(workers) == 2, result.stderr[-3000:]
+    for modules in workers:
+        assert "vlens.runtime.worker" in modules  # the runtime did run there
+        assert not [m for m in modules if m.startswith("transformer_lens")], modules
+        assert "vlens.hooked" not in modules and "vlens.cache" not in modules, modules

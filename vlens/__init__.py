@@ -1,7 +1,31 @@
-"""vlens: TransformerLens's hook names and habits on models served by vLLM."""
+"""vlens: TransformerLens's hook names and habits on models served by vLLM.
 
-from vlens.hooked import HookedVLLM
-from vlens.steering import Steer
-from vlens.tree import weightless_model
+The public names load on first use, so that ``import vlens.<module>`` (which vLLM's worker
+processes do for the runtime) does not import the facade, TransformerLens or vLLM.
+"""
 
-__all__ = ["HookedVLLM", "Steer", "weightless_model"]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vlens.hooked import HookedVLLM
+    from vlens.runtime.messages import HookError
+    from vlens.steering import Steer
+    from vlens.tree import weightless_model
+
+_PUBLIC = {
+    "HookedVLLM": "vlens.hooked",
+    "HookError": "vlens.runtime.messages",
+    "Steer": "vlens.steering",
+    "weightless_model": "vlens.tree",
+}
+
+__all__ = list(_PUBLIC)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'vlens' has no attribute {name!r}")
+    return getattr(importlib.import_module(_PUBLIC[name]), name)

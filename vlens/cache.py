@@ -13,12 +13,75 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from einops import rearrange
 from jaxtyping import Bool, Int
 from torch import Tensor
 from transformer_lens.ActivationCache import ActivationCache
 
+from vlens.derived import Batch, WeightsOn, with_formed
+from vlens.engine import Run
+from vlens.mapping import DerivedSpec, HookSpec, Spec, per_sample
 from vlens.names import UnknownHookName, canonical, short_form
-from vlens.runtime.step_store import Chunk, PaddedRows
+from vlens.runtime.messages import Chunk, PaddedRows
+
+
+def assemble(
+    model: Any,
+    run: Run,
+    prompts: list[list[int]],
+    generated: bool,
+    names: Sequence[str],
+    wanted: Sequence[str],
+    kept: Sequence[str],
+    device: torch.device,
+) -> tuple[dict[str, Tensor], VLensCache]:
+    """Every value of ``wanted`` for a finished call, as ``[batch, pos, ...]`` on ``device``
+    (``kept`` names, read from vLLM, padded; derived names computed from them), and the cache of
+    ``names``. With ``generated``, positions run on over the sampled tokens (all but the last,
+    which never went through the model)."""
+    specs: dict[str, Spec] = model.hook_specs
+    sampled = run.sampled if generated else [[] for _ in prompts]
+    tokens = [p + g[: max(0, len(g) - 1)] for p, g in zip(prompts, sampled)]
+    lengths = torch.tensor([len(t) for t in tokens])
+    sampled_lengths = torch.tensor([len(s) for s in run.sampled])
+    values = {}
+    for name in kept:
+        spec = specs[name]
+        assert isinstance(spec, HookSpec)
+        captured = [capture.chunks.get(name, []) for capture in run.captures]
+        positions = sampled_lengths if per_sample(spec) else lengths
+        value = padded_batch(name, captured, run.whole_steps.get(name), positions.tolist())
+        values[name] = value if spec.arrange is None else rearrange(value, spec.arrange)
+    batch = Batch(
+        mask=(torch.arange(int(lengths.max()))[None] < lengths[:, None]).to(device),
+        weights=WeightsOn(model.weights, device),
+        sampled=pad_batch([torch.tensor(tokens) for tokens in run.sampled]).to(device),
+    )
+    formed = [capture.formed for capture in run.captures]
+    for name in wanted:
+        _derive(name, specs, values, batch, formed)
+    shapes = {name: specs[name].shape for name in names}
+    cache = VLensCache({name: values[name] for name in names}, model, lengths, shapes)
+    cache.sampled_lengths = sampled_lengths
+    cache.tokens = pad_batch([torch.tensor(t) for t in tokens])
+    return values, cache
+
+
+def _derive(
+    name: str,
+    specs: dict[str, Spec],
+    values: dict[str, Tensor],
+    batch: Batch,
+    formed: Sequence[dict[str, Tensor]],
+) -> Tensor:
+    """A derived name's value; for the requests whose worker formed it (attention computed
+    explicitly for hook functions), the worker's value, as the hooks left it."""
+    if name not in values:
+        spec = specs[name]
+        assert isinstance(spec, DerivedSpec)
+        sources = [_derive(source, specs, values, batch, formed) for source in spec.sources]
+        values[name] = with_formed(spec.compute(sources, batch), [f.get(name) for f in formed])
+    return values[name]
 
 
 def join_chunks(name: str, chunks: Sequence[Chunk], length: int) -> Tensor:
@@ -114,6 +177,14 @@ class VLensCache(ActivationCache):
             except UnknownHookName:
                 continue
         raise UnknownHookName(spellings[0], names, "this cache")
+
+    def __contains__(self, key: object) -> bool:
+        """Whether ``cache[key]`` finds a value, under any spelling ``__getitem__`` takes."""
+        try:
+            self[key]
+        except KeyError:
+            return False
+        return True
 
     def __repr__(self) -> str:
         return f"VLensCache(batch={len(self.lengths)}, names={len(self.cache_dict)})"

@@ -18,8 +18,7 @@ from vlens.mapping import DerivedSpec, HookSpec, Spec, site_sources
 from vlens.names import Explain, NamesFilter, select_names
 from vlens.readers import LogitsOf, writable
 from vlens.runtime.graph import GraphName
-
-EAGER = "HookedVLLM.from_pretrained(path) without compiled names (eager mode)"
+from vlens.support import EAGER
 
 
 @dataclass(frozen=True)

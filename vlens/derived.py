@@ -3,10 +3,16 @@
 vLLM never forms attention scores, and per-head results need ``W_O``, which vLLM's CPU backend
 repacks away. These names are computed from other names (their *sources*, captured like any name)
 over the padded batch ``[batch, pos, ...]``, with checkpoint weights where needed.
+
+Where hook functions made the worker form one of them for some requests (attention computed
+explicitly at a hooked layer, :mod:`vlens.runtime.attention`), those requests' values are the
+worker's, as the hooks left them (:func:`with_formed`): TransformerLens caches a value after
+its hooks ran.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -124,6 +130,20 @@ class Conv1DHeadResults:
         name = next((n for n in self.weight_names if n in batch.weights), self.weight_names[0])
         w_o = rearrange(batch.weights[name], "(h d) m -> h d m", h=z.shape[2])
         return einsum(z.float(), w_o.float(), "b p h d, h d m -> b p h m").to(z.dtype)
+
+
+def with_formed(value: Tensor, formed: Sequence[Tensor | None]) -> Tensor:
+    """``value`` (``[batch, ...]``, padded) with request ``i``'s part replaced by ``formed[i]``
+    where the worker formed it: TransformerLens's layout without the batch axis, covering the
+    request's positions (a leading box of the padded value, e.g. ``[head, pos_i, pos_i]``)."""
+    if all(part is None for part in formed):
+        return value
+    value = value.clone()
+    for index, part in enumerate(formed):
+        if part is not None:
+            box = tuple(slice(0, size) for size in part.shape)
+            value[index][box] = part.to(value.device, value.dtype)
+    return value
 
 
 # ---- multi-head latent attention (DeepSeek-V2/V3) -----------------------------------------------

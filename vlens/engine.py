@@ -1,65 +1,65 @@
-"""The user's side of the link to vLLM: building the engine and talking to its workers.
+"""The user's side of the link to vLLM: building the engine, submitting requests and talking
+to the worker runtime of every rank (:class:`vlens.runtime.worker.WorkerRuntime`).
 
-Everything the facade asks of the worker runtime goes through :meth:`Engine.on_workers`, i.e.
-``LLM.collective_rpc``: in-process today, vLLM's own worker processes under tensor parallelism.
+Each call to the workers goes through ``LLM.collective_rpc``: in-process on one device, vLLM's
+own worker processes under tensor parallelism.
 """
 
 from __future__ import annotations
 
+import copy
+import itertools
 import os
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from vlens.process_groups import ensure_expert_group
 from vlens.runtime.graph import GraphName
+from vlens.runtime.messages import (
+    TAG_KEY,
+    Handback,
+    HookError,
+    ModuleRecord,
+    PaddedRows,
+    RequestCapture,
+    RequestPlan,
+)
+from vlens.support import engine_args
 
-# Read by vLLM when the engine is built: the engine core runs in this process, so that user hook
-# functions and captured tensors need no serialisation on one device.
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-
-#: Engine arguments vlens sets unless the user does; each has a reason in ``REQUIRED``.
-DEFAULT_ENGINE_ARGS: dict[str, Any] = {"enforce_eager": True, "enable_prefix_caching": False}
-
-REQUIRED = {
-    "enforce_eager": "vlens's sites are Python forward hooks, which fire only in eager mode; "
-    "for vLLM's compiled mode declare the names to trace into the graph "
-    "(HookedVLLM.from_pretrained(path, compiled_capture=[...], compiled_steering=[...]))",
-    "enable_prefix_caching": "a prefix-cache hit skips the forward over cached prompt tokens, "
-    "so their activations would silently be missing",
-}
-COMPILED_REQUIRED = {
-    "enforce_eager": "names declared for the compiled graph need vLLM's compiled mode; leave "
-    "enforce_eager out, or declare no compiled names to run eager",
-}
+_call_ids = itertools.count()
 
 
-def engine_args(user_args: dict[str, Any], compiled: bool = False) -> dict[str, Any]:
-    """The user's engine arguments with vlens's defaults, refusing the ones vlens cannot honour.
-    A ``compiled`` engine runs in vLLM's default (compiled) mode."""
-    defaults = {**DEFAULT_ENGINE_ARGS, "enforce_eager": False} if compiled else DEFAULT_ENGINE_ARGS
-    reasons = {**REQUIRED, **COMPILED_REQUIRED} if compiled else REQUIRED
-    args = {**defaults, **user_args}
-    for key, needed in defaults.items():
-        if args[key] != needed:
-            raise ValueError(f"{key}={args[key]!r} is not supported: {reasons[key]}.")
-    return args
+@dataclass(frozen=True)
+class Run:
+    """One call's requests, finished (request ``i`` = prompt ``i``): what each captured where
+    hook functions ran, what was read over whole steps, the tokens each sampled and why each
+    stopped."""
+
+    captures: list[RequestCapture]
+    whole_steps: dict[str, PaddedRows]
+    sampled: list[list[int]]
+    finish_reasons: list[str | None]
 
 
 class Engine:
     """An in-process vLLM ``LLM`` plus the route to each worker's vlens runtime."""
 
-    def __init__(self, model_path: str, graph_names: Sequence[GraphName] = (), **user_args: Any) -> None:
-        ranks = int(user_args.get("tensor_parallel_size", 1)) * int(
-            user_args.get("pipeline_parallel_size", 1)
-        )
-        if graph_names and ranks > 1:
-            raise NotImplementedError(
-                "compiled_capture / compiled_steering need tensor_parallel_size=1 for now (the "
-                "traced hooks are installed in this process's worker); use an eager engine for "
-                "tensor parallelism"
-            )
+    def __init__(
+        self,
+        model_path: str,
+        graph_names: Sequence[GraphName] = (),
+        cpu_defaults: Mapping[str, Any] = MappingProxyType({}),
+        **user_args: Any,
+    ) -> None:
+        """``cpu_defaults``: engine arguments the architecture needs on vLLM's CPU backend."""
+        ranks = int(user_args.get("tensor_parallel_size", 1))
+        # The engine core runs in this process, so that user hook functions and captured tensors
+        # need no serialisation on one device. Read by vLLM when the engine is built.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if graph_names:
             # vLLM would otherwise reuse a graph compiled before (without vlens's hooks) from
             # its on-disk cache, and the declared names would silently never be read.
@@ -69,6 +69,7 @@ class Engine:
             os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         if _on_cpu():
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+            user_args = {**cpu_defaults, **user_args}
             if ranks > 1:
                 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cores_per_rank(ranks))
         from vllm import LLM, envs
@@ -77,13 +78,72 @@ class Engine:
         # settings above are for this engine.
         envs.disable_envs_cache()
         ensure_expert_group()
-        with traced_at_load(graph_names):
+        with traced_at_load(graph_names), plugins_except(FOREIGN_PLUGINS):
             self.llm = LLM(model=model_path, **engine_args(user_args, compiled=bool(graph_names)))
         self.compiled = bool(graph_names)
-        self.tensor_parallel_size = int(user_args.get("tensor_parallel_size", 1))
+        self.tensor_parallel_size = ranks
         keep_process_state_while_others_run(self.llm)
 
-    def on_workers(self, method: str, *args: Any) -> list[Any]:
+    # ---- requests ----------------------------------------------------------------------------
+
+    def run(
+        self, prompts: list[list[int]], plans: list[RequestPlan], params: Any, device: str = "cpu"
+    ) -> Run:
+        """Submit ``prompts`` together, each followed by its plan, with sampling ``params``; the
+        kept values come back on ``device``. A failure in one request's hooks is raised after
+        the call (the engine keeps serving)."""
+        from vllm.inputs import TokensPrompt
+
+        call = next(_call_ids)
+        tags = [f"{call}:{index}" for index in range(len(prompts))]
+        request_params = []
+        for tag in tags:
+            # Shallow: vLLM deep-copies each request's parameters itself when it takes them in.
+            own = copy.copy(params)
+            own.extra_args = {**(params.extra_args or {}), TAG_KEY: tag}
+            request_params.append(own)
+        self._on_workers("prepare", dict(zip(tags, plans)))
+        try:
+            outputs = self.llm.generate(
+                [TokensPrompt(prompt_token_ids=prompt) for prompt in prompts],
+                request_params,
+                use_tqdm=False,
+            )
+        finally:
+            handback: Handback = self._on_driver("finish", tags, device)
+        captures = [handback.captures[tag] for tag in tags]
+        for index, capture in enumerate(captures):
+            if capture.error is not None:
+                raise HookError(f"prompt {index}: {capture.error}") from capture.cause
+        completions = [output.outputs[0] for output in outputs]
+        return Run(
+            captures,
+            handback.padded,
+            [list(completion.token_ids) for completion in completions],
+            [completion.finish_reason for completion in completions],
+        )
+
+    def watch_modules(self, prompt: list[int]) -> dict[str, ModuleRecord]:
+        """vLLM's module tree, path by path, with what each module did while ``prompt`` ran
+        through a prefill and a decode step (:mod:`vlens.runtime.probe`)."""
+        self._on_workers("start_probe")
+        try:
+            self.run([prompt], [RequestPlan(0, {})], greedy(2))
+        finally:
+            records = self._on_driver("finish_probe")
+        return records
+
+    def module_tree(self) -> str:
+        """``print()`` of vLLM's model on the first rank."""
+        return self._on_driver("module_tree")
+
+    def clear_contexts(self) -> None:
+        """Forget every hook's ``hook.ctx`` on every rank."""
+        self._on_workers("clear_contexts")
+
+    # ---- the route to the workers ------------------------------------------------------------
+
+    def _on_workers(self, method: str, *args: Any) -> list[Any]:
         """Call ``WorkerRuntime.<method>(*args)`` on every worker; one result per rank.
 
         Worker processes get the arguments through cloudpickle: user hook functions are often
@@ -98,9 +158,41 @@ class Engine:
         payload = cloudpickle.dumps(args)
         return self.llm.collective_rpc(call_runtime_pickled, args=(method, payload))
 
-    def on_driver(self, method: str, *args: Any) -> Any:
-        """Like :meth:`on_workers`, keeping rank 0's result (every rank returns whole values)."""
-        return self.on_workers(method, *args)[0]
+    def _on_driver(self, method: str, *args: Any) -> Any:
+        """Like :meth:`_on_workers`, keeping rank 0's result (every rank returns whole values)."""
+        return self._on_workers(method, *args)[0]
+
+
+def greedy(max_new_tokens: int) -> Any:
+    """Greedy decoding; one token (discarded) when only the prompt's forward is wanted."""
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=max(1, max_new_tokens), temperature=0.0)
+
+
+#: vLLM plugins kept out of vlens's engines: TransformerLens's own vLLM bridge patches the worker
+#: method vlens's graph tier wraps, and would import all of TransformerLens into every worker.
+FOREIGN_PLUGINS = frozenset({"tl_vllm_capture"})
+
+
+@contextmanager
+def plugins_except(excluded: frozenset[str]) -> Iterator[None]:
+    """While an engine is built (its worker processes start then and inherit the environment):
+    every installed vLLM plugin but ``excluded``, unless the user chose with ``VLLM_PLUGINS``."""
+    if "VLLM_PLUGINS" in os.environ:
+        yield
+        return
+    from importlib.metadata import entry_points
+
+    installed = entry_points()
+    # Endpoint plugins load only when named: naming them here would turn them on.
+    groups = [g for g in installed.groups if g.startswith("vllm.") and g != "vllm.endpoint_plugins"]
+    allowed = {plugin.name for group in groups for plugin in installed.select(group=group)}
+    os.environ["VLLM_PLUGINS"] = ",".join(sorted(allowed - excluded))
+    try:
+        yield
+    finally:
+        del os.environ["VLLM_PLUGINS"]
 
 
 @contextmanager

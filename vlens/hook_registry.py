@@ -1,15 +1,21 @@
 """The hook functions a model carries between calls: TransformerLens's ``add_hook`` /
 ``reset_hooks`` bookkeeping, in the user's process. Names are resolved when a hook is added, so a
-wrong name fails there, not in the middle of a batch."""
+wrong name fails there, not in the middle of a batch, and so does a name that cannot carry a hook
+on this engine.
+
+Derived names (computed after the forward, :mod:`vlens.derived`) carry hooks only where the
+mapping lets the worker form them for real (:class:`~vlens.mapping.ExplicitStage`: attention
+scores, patterns and per-head results, computed explicitly at the hooked layers); the rest are
+refused with what to hook instead."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from vlens.mapping import DerivedSpec, Spec, site_sources
+from vlens.mapping import DerivedSpec, ExplicitStage, NoExplicitAttention, Spec, site_sources
 from vlens.names import Explain, canonical
-from vlens.runtime.plan import HookFunction
+from vlens.runtime.messages import HookFunction
 
 NameOrFilter = str | Callable[[str], bool]
 FwdHooks = Sequence[tuple[NameOrFilter, HookFunction]]
@@ -25,13 +31,18 @@ class AddedHook:
 class HookRegistry:
     """Hook functions by canonical name, in the order they were added."""
 
-    def __init__(self, specs: dict[str, Spec], explain: Explain | None = None) -> None:
+    def __init__(
+        self, specs: dict[str, Spec], explain: Explain | None = None, tensor_parallel_size: int = 1
+    ) -> None:
         self.specs = specs
         self.explain = explain
+        #: the engine's; hooks that need whole modules on one rank are refused above 1
+        self.tensor_parallel_size = tensor_parallel_size
         self.added: list[AddedHook] = []
 
     def names(self, name_or_filter: NameOrFilter) -> list[str]:
-        """The canonical names a hook name or filter stands for; derived names are refused."""
+        """The canonical names a hook name or filter stands for; names that cannot carry a hook
+        are refused."""
         if callable(name_or_filter):
             names = [name for name in self.specs if name_or_filter(name)]
             if not names:
@@ -39,15 +50,31 @@ class HookRegistry:
         else:
             names = [canonical(name_or_filter, self.specs, explain=self.explain)]
         for name in names:
-            if isinstance(self.specs[name], DerivedSpec):
-                feeds = ", ".join(self.site_sources(name))
-                built = f"rebuilds it afterwards from {feeds}" if feeds else "reads it afterwards"
-                change = f", or hook {feeds} to change what it is built from" if feeds else ""
-                raise ValueError(
-                    f"{name} cannot carry a hook: vLLM never forms it during the forward; vlens "
-                    f"{built}. Read it with run_with_cache{change}."
-                )
+            self._check_hookable(name)
         return names
+
+    def _check_hookable(self, name: str) -> None:
+        spec = self.specs[name]
+        if not isinstance(spec, DerivedSpec):
+            return
+        if isinstance(spec.hookable, ExplicitStage):
+            if self.tensor_parallel_size > 1:
+                raise NotImplementedError(
+                    f"{name} cannot carry a hook under tensor parallelism yet "
+                    f"(tensor_parallel_size={self.tensor_parallel_size}): vlens computes that "
+                    f"layer's attention in the worker from whole q, k, v and W_O, and each rank "
+                    f"holds only its own heads. Use tensor_parallel_size=1, or hook "
+                    f"{', '.join(self.site_sources(name))} instead"
+                )
+            return
+        feeds = ", ".join(self.site_sources(name))
+        built = f"rebuilds it afterwards from {feeds}" if feeds else "reads it afterwards"
+        change = f", or hook {feeds} to change what it is built from" if feeds else ""
+        why = f" ({spec.hookable.reason})" if isinstance(spec.hookable, NoExplicitAttention) else ""
+        raise ValueError(
+            f"{name} cannot carry a hook: vLLM never forms it during the forward; vlens "
+            f"{built}{why}. Read it with run_with_cache{change}."
+        )
 
     def site_sources(self, name: str) -> list[str]:
         """The names read from vLLM that a derived name is built from."""

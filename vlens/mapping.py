@@ -6,6 +6,11 @@ into TransformerLens's value (a reader, :mod:`vlens.readers`) — a :class:`Hook
 compute it from other names once a request is complete (:mod:`vlens.derived`) — a
 :class:`DerivedSpec`. The runtime knows nothing about architectures.
 
+vLLM never forms attention scores, patterns or per-head results. A mapping that declares what
+computing one layer's attention needs (:class:`ExplicitAttention`) lets hook functions run on
+them: at the layers and for the requests that carry such hooks, the worker computes that layer's
+attention itself (:mod:`vlens.runtime.attention`).
+
 Names, paths, sources and weight names may contain ``{layer}``; :func:`expand_layers` makes one
 entry per layer.
 """
@@ -13,70 +18,15 @@ entry per layer.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
-
-import torch
+from typing import Any, Literal
 
 from vlens import derived, readers
+# Mapping files take the leaf vocabulary (where a value lives) from here too.
+from vlens.locations import Argument, Shards, Site
 from vlens.readers import Reader
 from vlens.weights import WeightNames
-
-Event = Literal["input", "output", "sampled"]
-
-
-@dataclass(frozen=True)
-class Site:
-    """A place in vLLM's module tree: the call's arguments (``input``) or its result (``output``)
-    in the forward, or the result of a module called once per step to sample (``sampled``: one
-    row per request that samples a token)."""
-
-    path: str
-    event: Event
-
-    def for_layer(self, layer: int) -> Site:
-        return dataclasses.replace(self, path=self.path.format(layer=layer))
-
-
-class SiteCall(Protocol):
-    """What a reader sees: one module call, narrowed to the rows of one request.
-
-    Every accessor returns a view into vLLM's own tensors, so an in-place change reaches the model.
-    """
-
-    @property
-    def model(self) -> torch.nn.Module: ...
-
-    def argument(self, index: int, name: str, shards: Shards | None = None) -> Any: ...
-
-    def raw_argument(self, index: int, keyword: str | None) -> Any: ...
-
-    def output(self, element: int | None, shards: Shards | None = None) -> Any: ...
-
-    def assign_argument(self, index: int, name: str, new: Any, shards: Shards | None = None) -> None: ...
-
-    def assign_output(self, element: int | None, new: Any, shards: Shards | None = None) -> None: ...
-
-
-@dataclass(frozen=True)
-class Shards:
-    """How vLLM splits a value over tensor-parallel ranks: along ``dim``, each of the fused
-    ``parts`` (their whole widths, e.g. ``[q | k | v]``) split evenly, each rank holding its
-    slice of every part side by side. Values without it are whole on every rank."""
-
-    dim: int
-    parts: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class Argument:
-    """An argument of the call, found by keyword or else by position (``shards``: how it is
-    split over tensor-parallel ranks, if it is)."""
-
-    index: int
-    name: str
-    shards: Shards | None = None
 
 
 @dataclass(frozen=True)
@@ -98,18 +48,117 @@ class HookSpec:
 
 @dataclass(frozen=True)
 class DerivedSpec:
-    """A name computed in the user's process from ``sources`` (other names) over the whole batch."""
+    """A name computed in the user's process from ``sources`` (other names) over the whole batch.
+
+    ``hookable``: how a hook function can run on it: the worker forms it where a hook needs it
+    (:class:`ExplicitStage`); or not, with the architecture's reason (:class:`NoExplicitAttention`)
+    or none (None): such a name is only read after the forward.
+    """
 
     sources: tuple[str, ...]
     compute: derived.Compute
     shape: str
+    hookable: ExplicitStage | NoExplicitAttention | None = dataclasses.field(
+        default=None, kw_only=True
+    )
 
     def for_layer(self, layer: int) -> DerivedSpec:
         sources = tuple(source.format(layer=layer) for source in self.sources)
-        return DerivedSpec(sources, self.compute.for_layer(layer), self.shape)
+        hookable = None if self.hookable is None else self.hookable.for_layer(layer)
+        return DerivedSpec(sources, self.compute.for_layer(layer), self.shape, hookable=hookable)
+
+
+# ---- attention computed in the worker, for hooks on scores, patterns and per-head results ------
+
+AttentionStage = Literal["scores", "pattern", "result"]
+
+
+@dataclass(frozen=True)
+class ExplicitAttention:
+    """What computing one layer's attention explicitly in the worker needs, where vLLM's kernel
+    would otherwise run (so that hooks on its scores, pattern and per-head results see and edit
+    the real values).
+
+    ``kernel`` is vLLM's attention module, called with the rotated ``query``
+    ``[pos, heads·d_head]``, ``key`` ``[pos, kv_heads·d_head]`` and ``value``
+    ``[pos, kv_heads·d_head_v]``; it returns z, ``[pos, heads·d_head_v]``. Query head ``h`` reads key/value head ``h // (heads / kv_heads)``.
+    ``scale`` multiplies ``q·k``. ``projection`` is the module applying ``W_O`` (and ``b_O``) to z,
+    called with it as ``projection_input``; element ``projection_element`` of its result is the
+    attention output. The attention is causal, with no sliding window, soft cap or ALiBi: an
+    architecture with any of those does not declare it.
+    """
+
+    kernel: str
+    query: Argument
+    key: Argument
+    value: Argument
+    projection: str
+    heads: int
+    kv_heads: int
+    d_head: int
+    scale: float
+    d_head_v: int | None = None  # None: d_head
+    projection_input: Argument = Argument(0, "input_")
+    projection_element: int | None = 0
+
+    def __post_init__(self) -> None:
+        if self.heads % self.kv_heads:
+            raise ValueError(
+                f"{self.heads} query heads cannot share {self.kv_heads} key/value heads evenly"
+            )
+
+    @property
+    def value_width(self) -> int:
+        return self.d_head if self.d_head_v is None else self.d_head_v
+
+    def for_layer(self, layer: int) -> ExplicitAttention:
+        return dataclasses.replace(
+            self,
+            kernel=self.kernel.format(layer=layer),
+            projection=self.projection.format(layer=layer),
+        )
+
+
+@dataclass(frozen=True)
+class ExplicitStage:
+    """A derived name that the worker forms for real when a hook function is on it: ``stage`` of
+    the explicitly computed ``attention``."""
+
+    attention: ExplicitAttention
+    stage: AttentionStage
+
+    def for_layer(self, layer: int) -> ExplicitStage:
+        return ExplicitStage(self.attention.for_layer(layer), self.stage)
+
+
+@dataclass(frozen=True)
+class NoExplicitAttention:
+    """Why an architecture's attention cannot be computed explicitly in the worker (shown when a
+    hook is added to its scores, pattern or per-head results)."""
+
+    reason: str
+
+    def for_layer(self, layer: int) -> NoExplicitAttention:
+        return self
+
+
+Explicit = ExplicitAttention | NoExplicitAttention | None
+
+
+def _hookable(
+    explicit: Explicit, stage: AttentionStage
+) -> ExplicitStage | NoExplicitAttention | None:
+    if isinstance(explicit, ExplicitAttention):
+        return ExplicitStage(explicit, stage)
+    return explicit
 
 
 Spec = HookSpec | DerivedSpec
+
+
+def per_sample(spec: Spec) -> bool:
+    """Whether a name has a value per sampled token (the sampler's names), not per position."""
+    return isinstance(spec, HookSpec) and spec.site.event == "sampled"
 
 
 def site_sources(specs: dict[str, Spec], name: str) -> list[str]:
@@ -169,17 +218,27 @@ def logits(of: HookSpec) -> HookSpec:
     return HookSpec(of.site, readers.LogitsOf(of.read), "pos d_vocab")
 
 
-def attention_scores(rot_q: str, rot_k: str, scale: float) -> DerivedSpec:
-    return DerivedSpec((rot_q, rot_k), derived.AttentionScores(scale), "head query_pos key_pos")
+def attention_scores(
+    rot_q: str, rot_k: str, scale: float, explicit: Explicit = None
+) -> DerivedSpec:
+    """``rot_q·rot_kᵀ·scale``, causally masked; ``explicit``: how hooks on it can run (see
+    :class:`DerivedSpec`), with the same ``scale``."""
+    if isinstance(explicit, ExplicitAttention) and explicit.scale != scale:
+        raise ValueError(f"explicit attention's scale {explicit.scale} is not the scores' {scale}")
+    compute = derived.AttentionScores(scale)
+    hookable = _hookable(explicit, "scores")
+    return DerivedSpec((rot_q, rot_k), compute, "head query_pos key_pos", hookable=hookable)
 
 
-def attention_pattern(scores: str) -> DerivedSpec:
-    return DerivedSpec((scores,), derived.Softmax(), "head query_pos key_pos")
+def attention_pattern(scores: str, explicit: Explicit = None) -> DerivedSpec:
+    hookable = _hookable(explicit, "pattern")
+    return DerivedSpec((scores,), derived.Softmax(), "head query_pos key_pos", hookable=hookable)
 
 
-def head_results(z: str, w_o: str) -> DerivedSpec:
+def head_results(z: str, w_o: str, explicit: Explicit = None) -> DerivedSpec:
     """Per-head output after ``W_O``; ``w_o`` is the checkpoint's name of the output projection."""
-    return DerivedSpec((z,), derived.HeadResults(w_o), "pos head d_model")
+    hookable = _hookable(explicit, "result")
+    return DerivedSpec((z,), derived.HeadResults(w_o), "pos head d_model", hookable=hookable)
 
 
 def heads_first(of: HookSpec, heads: str = "head") -> HookSpec:
@@ -195,10 +254,12 @@ def layer_norm_normalized(of: HookSpec, eps: float) -> HookSpec:
     return HookSpec(of.site, readers.LayerNormNormalized(of.read, eps), of.shape)
 
 
-def conv1d_head_results(z: str, *w_o: str) -> DerivedSpec:
+def conv1d_head_results(z: str, *w_o: str, explicit: Explicit = None) -> DerivedSpec:
     """:func:`head_results` where the checkpoint stores the output projection as a Conv1D
     (``[H·d_head, d_model]``, GPT-2); ``w_o``: its possible names, the first one present is used."""
-    return DerivedSpec((z,), derived.Conv1DHeadResults(w_o), "pos head d_model")
+    compute = derived.Conv1DHeadResults(w_o)
+    hookable = _hookable(explicit, "result")
+    return DerivedSpec((z,), compute, "pos head d_model", hookable=hookable)
 
 
 # ---- one architecture's mapping -----------------------------------------------------------------
@@ -225,6 +286,8 @@ class ArchitectureMapping:
     #: Why a name that looks plausible can never be given (e.g. one routed expert of a fused MoE
     #: kernel); None for names the architecture has nothing to say about.
     unavailable: Callable[[str], str | None] | None = dataclasses.field(default=None, kw_only=True)
+    #: Engine arguments this architecture needs on vLLM's CPU backend, unless the user sets them.
+    cpu_engine_args: Mapping[str, Any] = dataclasses.field(default_factory=dict, kw_only=True)
 
     def expanded(self, config: Any) -> dict[str, Spec]:
         return expand_layers(self.hook_specs(config), config.num_hidden_layers)

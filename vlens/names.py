@@ -13,18 +13,46 @@ from collections.abc import Callable, Collection, Sequence
 
 from transformer_lens.utilities import get_act_name
 
-#: TransformerLens 4 ``TransformerBridge`` names and other spellings → canonical names.
+def _synonyms() -> list[tuple[str, str]]:
+    """Pairs of spellings of one hook (``{layer}`` for a block's index): TransformerLens 4's
+    ``TransformerBridge`` declares each component's HookedTransformer names beside its own
+    (``attn.hook_z`` = ``attn.o.hook_in``)."""
+    from transformer_lens.model_bridge.bridge_core import BridgeCore
+    from transformer_lens.model_bridge.generalized_components.attention import AttentionBridge
+    from transformer_lens.model_bridge.generalized_components.block import BlockBridge
+    from transformer_lens.model_bridge.generalized_components.gated_mlp import GatedMLPBridge
+    from transformer_lens.model_bridge.generalized_components.mlp import MLPBridge
+
+    by_prefix = [
+        ("", BridgeCore.hook_aliases),
+        ("blocks.{layer}.", BlockBridge.hook_aliases),
+        ("blocks.{layer}.attn.", AttentionBridge.hook_aliases),
+        ("blocks.{layer}.mlp.", GatedMLPBridge.hook_aliases),  # first: "in" is "up" when gated
+        ("blocks.{layer}.mlp.", MLPBridge.hook_aliases),
+    ]
+    pairs = [
+        (prefix + name, prefix + other)
+        for prefix, table in by_prefix
+        for name, others in table.items()
+        for other in ([others] if isinstance(others, str) else others)
+    ]
+    return pairs + [
+        ("blocks.{layer}.ln1.hook_in", "blocks.{layer}.hook_resid_pre"),
+        ("hook_logits", "unembed.hook_out"),
+        ("logits", "unembed.hook_out"),
+    ]
+
+
+def _pattern(template: str) -> re.Pattern[str]:
+    return re.compile(re.escape(template).replace(re.escape("{layer}"), r"(?P<layer>\d+)"))
+
+
+#: Other spellings → the one a mapping uses: each synonym pair read both ways (whichever side a
+#: model has is its canonical name).
 ALIASES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
-    (re.compile(pattern), target)
-    for pattern, target in (
-        (r"blocks\.(\d+)\.hook_in", r"blocks.\1.hook_resid_pre"),
-        (r"blocks\.(\d+)\.hook_out", r"blocks.\1.hook_resid_post"),
-        (r"blocks\.(\d+)\.ln2\.hook_in", r"blocks.\1.hook_resid_mid"),
-        (r"blocks\.(\d+)\.attn\.hook_out", r"blocks.\1.hook_attn_out"),
-        (r"blocks\.(\d+)\.mlp\.hook_out", r"blocks.\1.hook_mlp_out"),
-        (r"embed\.hook_out", "hook_embed"),
-        (r"hook_logits|logits", "unembed.hook_out"),
-    )
+    (_pattern(source), target.replace("{layer}", r"\g<layer>"))
+    for left, right in _synonyms()
+    for source, target in ((left, right), (right, left))
 )
 
 NamesFilter = None | str | Sequence[str] | Callable[[str], bool]

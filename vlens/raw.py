@@ -15,13 +15,17 @@ copied when cached, and writable: an edit is copied into vLLM's own tensor.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 from torch import Tensor
 
-from vlens.mapping import HookSpec, Site, SiteCall
+from vlens.locations import Site, SiteCall
+from vlens.mapping import HookSpec, Spec
 from vlens.names import UnknownHookName
-from vlens.runtime.probe import ModuleRecord
+from vlens.runtime.messages import ModuleRecord
+from vlens.support import check_raw_location
 
 RAW_NAME = re.compile(r"(?P<path>[\w.]+?)\.(?P<kind>output|inputs|input)(?:\.(?P<part>\w+))?")
 
@@ -120,3 +124,50 @@ def refuse_unusable(path: str, record: ModuleRecord) -> None:
 def prefill_only(path: str, modules: dict[str, ModuleRecord]) -> bool:
     """Whether the module runs at prefill but not in decode steps (MLA's ``kv_b_proj``)."""
     return modules[path].phases == {"prefill"}
+
+
+class RawLocations:
+    """Raw locations as the names of one model: admitted into its specs when first used, each
+    checked against the module tree as watched in one short generation (made on first need)."""
+
+    def __init__(
+        self,
+        specs: dict[str, Spec],
+        canonical_names: Sequence[str],
+        watch: Callable[[], dict[str, ModuleRecord]],
+        compiled: bool,
+        tensor_parallel_size: int,
+    ) -> None:
+        self.specs = specs
+        self.canonical_names = set(canonical_names)
+        self.watch = watch
+        self.compiled = compiled
+        self.tensor_parallel_size = tensor_parallel_size
+
+    @cached_property
+    def module_records(self) -> dict[str, ModuleRecord]:
+        """vLLM's module tree, path by path, with what each module did in one short generation
+        (a prefill and a decode step): the facts behind raw locations' errors."""
+        return self.watch()
+
+    def admit(self, names: object, decoding: bool = False) -> None:
+        """Make raw module locations among ``names`` (a name, a filter, or a list of names and
+        ``(name, hook)`` pairs) known; ``decoding``: refuse modules that run at prefill only."""
+        if isinstance(names, str) or callable(names) or names is None:
+            names = [names]
+        for item in names:  # type: ignore[union-attr]
+            name = item[0] if isinstance(item, tuple) else item
+            if not isinstance(name, str) or not RAW_NAME.fullmatch(name):
+                continue
+            if name.rsplit(".", 1)[0] in self.canonical_names:
+                continue
+            if name not in self.specs:
+                check_raw_location(name, self.compiled, self.tensor_parallel_size)
+                self.specs[name] = raw_spec(name, self.module_records)
+            spec = self.specs[name]
+            assert isinstance(spec, HookSpec)
+            if decoding and prefill_only(spec.site.path, self.module_records):
+                raise ValueError(
+                    f"{spec.site.path} runs at prefill only (vLLM folds it into another "
+                    f"kernel in decode steps): {name} has no value at generated positions"
+                )

@@ -1,5 +1,5 @@
 """Readers: TransformerLens's value of one name, computed from one module call narrowed to one
-request's rows (a :class:`vlens.mapping.SiteCall`). They run inside vLLM's worker, in the forward.
+request's rows (a :class:`vlens.locations.SiteCall`). They run inside vLLM's worker, in the forward.
 
 Readers are small frozen dataclasses (not lambdas) so that a plan can be pickled to worker
 processes. Each returns ``[pos, ...]``; a view into vLLM's buffers is copied by the runtime.
@@ -12,16 +12,15 @@ later name sees it. A reader without ``write`` names a value that can be read, n
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from einops import rearrange
 from jaxtyping import Float
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from vlens.mapping import Argument, Shards, SiteCall
+from vlens.locations import Argument, Shards, SiteCall
 
-Reader = Callable[["SiteCall"], Tensor]
+Reader = Callable[[SiteCall], Tensor]
 
 
 def writable(reader: Any) -> bool:

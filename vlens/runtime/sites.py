@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from vlens.mapping import Shards, Site
+from vlens.locations import Shards, Site
 from vlens.runtime.layout import RequestRows
 from vlens.runtime.tensor_parallel import TensorParallel
 
@@ -29,7 +29,7 @@ def narrow(value: Any, rows: RequestRows | None) -> Any:
 
 @dataclass
 class NarrowedCall:
-    """One module call, seen through one request's rows (see :class:`vlens.mapping.SiteCall`),
+    """One module call, seen through one request's rows (see :class:`vlens.locations.SiteCall`),
     or whole (``rows`` None: the graph tier's traced hooks).
 
     Accessors return views into vLLM's tensors; a value split over tensor-parallel ranks

@@ -21,16 +21,7 @@ import torch
 from torch import Tensor
 
 from vlens.runtime.layout import RequestRows
-
-Span = tuple[int, int]  # (first position, length)
-
-
-@dataclass
-class Chunk:
-    """Rows of one name for one request, starting at sequence position ``first_position``."""
-
-    first_position: int
-    value: Tensor
+from vlens.runtime.messages import Chunk, PaddedRows, Span
 
 
 class Segment(NamedTuple):
@@ -39,29 +30,6 @@ class Segment(NamedTuple):
     tag: str
     length: int
     first_position: int
-
-
-@dataclass
-class PaddedRows:
-    """One name's kept rows of a call's requests, batch-major: ``values[i, p]`` is request
-    ``i``'s position ``p``, zero where nothing was kept; ``spans[i]`` lists request ``i``'s runs
-    of consecutive positions."""
-
-    values: Tensor
-    spans: list[list[Span]]
-
-    def chunks(self, index: int) -> list[Chunk]:
-        """Request ``index``'s runs, as views of :attr:`values`."""
-        return [Chunk(first, self.values[index, first : first + n]) for first, n in self.spans[index]]
-
-    def is_batch(self, lengths: Sequence[int]) -> bool:
-        """Whether :attr:`values` already is the padded batch of requests of these lengths: each
-        request's positions ``0:length`` kept, in one run, and the longest fills the width."""
-        return (
-            len(lengths) == len(self.spans)
-            and self.values.shape[1] == max(lengths)
-            and all(spans == [(0, length)] for spans, length in zip(self.spans, lengths))
-        )
 
 
 class StepStore:

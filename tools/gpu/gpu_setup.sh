@@ -1,9 +1,10 @@
 #!/bin/bash
-# Sourced on the GPU machine by parity/gpu.sh and bench/gpu.sh: installs what the machine lacks
-# and sets the environment. Expects the carry calls of ../shared/gpu/README.md to have filled
-# /tmp/vlens-parts (vLLM 0.26.0 in parts, its dependencies, and what parity/prepare_gpu.sh adds:
-# transformer_lens and its import-time dependencies as wheels, tiny checkpoints as tiny.tar).
-root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+# Sourced on the GPU machine by gpu.sh, gpu_deepseek.sh, gpu_graph.sh and bench.sh (this folder):
+# installs what the machine lacks and sets the environment. Expects the carry calls of
+# ../shared/gpu/README.md to have filled /tmp/vlens-parts (vLLM 0.26.0 in parts, its dependencies,
+# and what prepare_gpu.sh adds: transformer_lens and its import-time dependencies as wheels, tiny
+# checkpoints as tiny.tar).
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 parts=/tmp/vlens-parts
 bash "$parts/install.sh" || return 1
 # vlens as installed: mappings/ and parity/ are vlens.mappings and vlens.parity (pyproject.toml).

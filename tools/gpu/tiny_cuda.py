@@ -1,4 +1,4 @@
-"""Tiny DeepSeek checkpoints that vLLM 0.26 can run on CUDA (``python -m vlens.parity.tiny_cuda``).
+"""Tiny DeepSeek checkpoints that vLLM 0.26 can run on CUDA (``python tools/gpu/tiny_cuda.py``).
 
 The CPU test checkpoints (``vlens.testing``) give MLA ``qk_nope_head_dim = v_head_dim = 32``;
 vLLM 0.26 on CUDA has no MLA prefill backend for those dimensions (FlashAttention's MLA prefill

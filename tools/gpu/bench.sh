@@ -1,12 +1,12 @@
 #!/bin/bash
 # Issue 8, GPU part: bench/run.py's GPU preset in ONE device call after the carry calls of
-# parity/gpu.sh's header (about 8 minutes: the vlens engine's workloads, then the compiled
+# tools/gpu/gpu.sh's header (about 8 minutes: the vlens engine's workloads, then the compiled
 # engine, then HuggingFace). Writes results.md, results.json, profile.txt and bench.log under $OUT.
 set -uo pipefail
-root=$(cd "$(dirname "$0")/.." && pwd)
+root=$(cd "$(dirname "$0")/../.." && pwd)
 OUT=${OUT:-/tmp/vlens-bench-out}
 mkdir -p "$OUT"
-source "$root/parity/gpu_setup.sh" || exit 1
+source "$root/tools/gpu/gpu_setup.sh" || exit 1
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
 python3 "$root/bench/run.py" --preset gpu --out "$OUT" --profile "$@" 2>&1 | tee "$OUT/bench.log" \
   | grep -E "^\[bench\]|^\||Error|error" || true
