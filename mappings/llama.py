@@ -81,9 +81,6 @@ def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
     scale = d_head**-0.5
     explicit = ExplicitAttention(
         kernel=f"{ATTN}.attn",
-        query=Argument(0, "query"),
-        key=Argument(1, "key"),
-        value=Argument(2, "value"),
         projection=f"{ATTN}.o_proj",
         heads=heads,
         kv_heads=kv_heads,

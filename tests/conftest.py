@@ -49,3 +49,24 @@ def bridge() -> Callable[[str], object]:
         return bridges[arch]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> HookedVLLM:
+    """The embedded SmolLM2-135M (a real trained model) in vLLM, fp32, built once."""
+    from vlens.embedded import smollm2_path
+
+    return HookedVLLM.from_pretrained(smollm2_path(), dtype="float32", max_model_len=512)
+
+
+@pytest.fixture(scope="session")
+def bridge_smollm2() -> object:
+    """TransformerLens's ``TransformerBridge`` on the embedded SmolLM2, built once."""
+    import torch
+    from transformer_lens.model_bridge import TransformerBridge
+
+    from vlens.embedded import smollm2_path
+
+    booted = TransformerBridge.boot_transformers(str(smollm2_path()), dtype=torch.float32)
+    booted.enable_compatibility_mode(no_processing=True)
+    return booted

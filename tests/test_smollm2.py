@@ -45,11 +45,6 @@ NEUTRAL = [
 CONCEPT_WORDS = ("wedding", "bride", "marri", "marry", "groom")
 
 
-@pytest.fixture(scope="module")
-def smollm2() -> HookedVLLM:
-    return HookedVLLM.from_pretrained(smollm2_path(), dtype="float32", max_model_len=512)
-
-
 def test_residual_stream_and_logits_match_huggingface(smollm2):
     names = [f"blocks.{i}.hook_resid_post" for i in (0, LAYER, 29)] + ["unembed.hook_out"]
     prompts = smollm2.token_lists(["The capital of France is", "Residual streams of a real model"])

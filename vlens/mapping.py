@@ -89,14 +89,15 @@ class ExplicitAttention:
     """
 
     kernel: str
-    query: Argument
-    key: Argument
-    value: Argument
     projection: str
     heads: int
     kv_heads: int
     d_head: int
     scale: float
+    # vLLM's ``Attention.forward(query, key, value)``
+    query: Argument = Argument(0, "query")
+    key: Argument = Argument(1, "key")
+    value: Argument = Argument(2, "value")
     d_head_v: int | None = None  # None: d_head
     projection_input: Argument = Argument(0, "input_")
     projection_element: int | None = 0
