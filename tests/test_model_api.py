@@ -155,3 +155,19 @@ def test_what_vllm_cannot_start_from_is_refused(models):
         model.generate(TEXT, max_new_tokens=2, freq_penalty=1.0)
     with pytest.raises(ValueError, match="return_type"):
         model(TEXT, return_type="bogus")
+
+
+def test_a_name_filter_passes_over_names_that_cannot_carry_hooks(models):
+    """As TransformerLens's filters run over its hook points (Main_Demo cell 25): a filter that
+    accepts every name outside the blocks hooks those that can carry a hook."""
+    model, _ = models
+    seen: list[str] = []
+    model.run_with_hooks(
+        TEXT,
+        return_type=None,
+        fwd_hooks=[(lambda name: not name.startswith("blocks"), lambda x, hook: seen.append(hook.name))],
+    )
+    assert "hook_embed" in seen
+    assert "sampler.hook_tokens" not in seen
+    with pytest.raises(ValueError, match="sampler.hook_tokens cannot carry a hook"):
+        model.run_with_hooks(TEXT, fwd_hooks=[(lambda name: name == "sampler.hook_tokens", print)])

@@ -41,37 +41,44 @@ class HookRegistry:
         self.added: list[AddedHook] = []
 
     def names(self, name_or_filter: NameOrFilter) -> list[str]:
-        """The canonical names a hook name or filter stands for; names that cannot carry a hook
-        are refused."""
-        if callable(name_or_filter):
-            names = [name for name in self.specs if name_or_filter(name)]
-            if not names:
-                raise ValueError("the hook's name filter accepted none of this model's hook names")
-        else:
-            names = [canonical(name_or_filter, self.specs, explain=self.explain)]
-        for name in names:
-            self._check_hookable(name)
+        """The canonical names a hook name or filter stands for. A name that cannot carry a hook
+        is refused; a filter, as TransformerLens's over its hook points, passes over such names."""
+        if not callable(name_or_filter):
+            name = canonical(name_or_filter, self.specs, explain=self.explain)
+            refusal = self._refusal(name)
+            if refusal is not None:
+                raise refusal
+            return [name]
+        chosen = [name for name in self.specs if name_or_filter(name)]
+        refusals = {name: self._refusal(name) for name in chosen}
+        names = [name for name in chosen if refusals[name] is None]
+        if not names:
+            refused = [refusal for refusal in refusals.values() if refusal is not None]
+            if refused:
+                raise refused[0]
+            raise ValueError("the hook's name filter accepted none of this model's hook names")
         return names
 
-    def _check_hookable(self, name: str) -> None:
+    def _refusal(self, name: str) -> Exception | None:
+        """Why ``name`` cannot carry a hook here, or None where it can."""
         spec = self.specs[name]
         if not isinstance(spec, DerivedSpec):
-            return
+            return None
         if isinstance(spec.hookable, ExplicitStage):
             if self.tensor_parallel_size > 1:
-                raise NotImplementedError(
+                return NotImplementedError(
                     f"{name} cannot carry a hook under tensor parallelism yet "
                     f"(tensor_parallel_size={self.tensor_parallel_size}): vlens computes that "
                     f"layer's attention in the worker from whole q, k, v and W_O, and each rank "
                     f"holds only its own heads. Use tensor_parallel_size=1, or hook "
                     f"{', '.join(self.site_sources(name))} instead"
                 )
-            return
+            return None
         feeds = ", ".join(self.site_sources(name))
         built = f"rebuilds it afterwards from {feeds}" if feeds else "reads it afterwards"
         change = f", or hook {feeds} to change what it is built from" if feeds else ""
         why = f" ({spec.hookable.reason})" if isinstance(spec.hookable, NoExplicitAttention) else ""
-        raise ValueError(
+        return ValueError(
             f"{name} cannot carry a hook: vLLM never forms it during the forward; vlens "
             f"{built}{why}. Read it with run_with_cache{change}."
         )
