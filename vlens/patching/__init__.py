@@ -1,0 +1,317 @@
+"""Activation patching as TransformerLens's ``transformer_lens.patching`` offers it, run as one
+batched vLLM call.
+
+``from vlens import patching`` in place of ``from transformer_lens import patching``: the same
+functions, arguments and results (tensors, ``index_df``, :class:`PatchingResult`), on a
+:class:`~vlens.HookedVLLM`. TransformerLens runs one forward per patch (every ``(layer, pos)``,
+``(layer, head)``, ... cell, on the whole corrupted batch) and applies the metric to its logits;
+here every cell × every corrupted prompt is one vLLM request with its own hook (``prompt_hooks``),
+all submitted together, and the metric is applied afterwards to each cell's logits, those of its
+``b`` prompts stacked as ``[b, pos, d_vocab]``: exactly what TransformerLens's metric receives.
+vLLM runs each request as it would run alone, so a cell's logits are those of its own forward.
+
+TransformerLens's own pieces are used as they are: its patch setters, ``make_df_from_ranges``,
+:class:`PatchingResult` and the way its ``*_every`` helpers stack their sweeps.
+
+Two extensions, keyword-only on every function:
+
+* ``final_logits_only=True``: the metric receives the logits of the last position only,
+  ``[b, 1, d_vocab]``: the ones vLLM computes anyway to sample, so the unembedding of every other
+  position is skipped and the logits take ``1/pos`` of the memory. For metrics that read
+  ``logits[:, -1]`` only (logit differences at the answer).
+* ``max_logits_gb`` (default 1): the most logits one vLLM call hands back; a sweep whose logits
+  are larger is split into several calls (whole cells each), its metric applied after each.
+
+Hooks and chunked prefill. A vlens hook sees one request's rows of one engine step; when vLLM
+splits a prompt's prefill over several steps (long prompts, or a full step), those are only part
+of the prompt, while a patch setter indexes absolute positions of a whole-prompt activation. Each
+hook therefore puts its rows into a copy of the clean activation (full length), calls the setter
+on that, and hands back its own rows: the patch lands on the right positions whichever step
+computes them.
+
+A patch setter gets one prompt's activations, ``[1, ...]`` (TransformerLens's setters all index
+``[:, ...]``: every prompt of the batch alike); any other setter gets the whole batch, as in
+TransformerLens (positions of other prompts and other steps filled from the clean activation),
+and this request's rows are taken back from it.
+
+Attention-pattern patching needs hooks that edit ``attn.hook_pattern`` (vlens computes that
+layer's attention in the worker for the hooked requests): an eager engine on one rank; elsewhere
+the pattern sweeps raise ``NotImplementedError`` with vlens's reason. Direct path patching
+(``get_act_patch_direct_path``) is not available: it edits one head's copy of the block input
+(``hook_q_input``), which vLLM never forms on its own.
+
+``transformer_lens.patching`` itself on a vlens model works where vLLM runs each patched forward's
+prompts together, each prefilled whole in one engine step (vlens then hands its hook the call's
+batch, ``[batch, pos, ...]``): one vLLM call per cell, so much slower than this module. Where vLLM
+splits a prefill over steps (a prompt longer than the engine's ``max_num_batched_tokens``, or a
+batch that does not fit one step), its hook sees part of a prompt, ``[1, rows, ...]``, while its
+setters index the whole clean batch at absolute positions: with several prompts that is a shape
+error (``HookError``); with one prompt, a patch at a position below the chunk's length lands on
+the wrong row, silently. This module has neither problem.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
+from typing import Any, Literal
+
+import pandas as pd
+import torch
+import transformer_lens.patching as tl
+from jaxtyping import Int
+from torch import Tensor
+from transformer_lens.patching import (
+    AxisNames,
+    MetricFn,
+    PatchingResult,
+    layer_head_dest_src_pos_pattern_patch_setter,
+    layer_head_pattern_patch_setter,
+    layer_head_pos_pattern_patch_setter,
+    layer_head_vector_patch_setter,
+    layer_pos_head_vector_patch_setter,
+    layer_pos_patch_setter,
+    make_df_from_ranges,
+)
+
+from vlens.patching.sweep import as_tokens, make_sweep, run_sweeps
+
+__all__ = [
+    "PatchingResult",
+    "generic_activation_patch",
+    "make_df_from_ranges",
+    "layer_pos_patch_setter",
+    "layer_pos_head_vector_patch_setter",
+    "layer_head_vector_patch_setter",
+    "layer_head_pattern_patch_setter",
+    "layer_head_pos_pattern_patch_setter",
+    "layer_head_dest_src_pos_pattern_patch_setter",
+    "get_act_patch_resid_pre",
+    "get_act_patch_resid_mid",
+    "get_act_patch_attn_out",
+    "get_act_patch_mlp_out",
+    "get_act_patch_attn_head_out_by_pos",
+    "get_act_patch_attn_head_q_by_pos",
+    "get_act_patch_attn_head_k_by_pos",
+    "get_act_patch_attn_head_v_by_pos",
+    "get_act_patch_attn_head_pattern_by_pos",
+    "get_act_patch_attn_head_pattern_dest_src_pos",
+    "get_act_patch_attn_head_out_all_pos",
+    "get_act_patch_attn_head_q_all_pos",
+    "get_act_patch_attn_head_k_all_pos",
+    "get_act_patch_attn_head_v_all_pos",
+    "get_act_patch_attn_head_pattern_all_pos",
+    "get_act_patch_attn_head_all_pos_every",
+    "get_act_patch_attn_head_by_pos_every",
+    "get_act_patch_block_every",
+    "get_act_patch_direct_path",
+    "get_act_patch_direct_path_all_sources",
+]
+
+# ---- TransformerLens's functions --------------------------------------------------------------
+
+
+def generic_activation_patch(
+    model: Any,
+    corrupted_tokens: Int[Tensor, "batch pos"],
+    clean_cache: Any,
+    patching_metric: MetricFn | Mapping[str, MetricFn],
+    patch_setter: Callable[..., Tensor],
+    activation_name: str,
+    index_axis_names: Sequence[AxisNames] | None = None,
+    index_df: pd.DataFrame | None = None,
+    return_index_df: bool = False,
+    *,
+    reduce: Literal["scalar", "mean", "none"] = "scalar",
+    baseline: bool = False,
+    final_logits_only: bool = False,
+    max_logits_gb: float = 1.0,
+) -> Tensor | tuple[Tensor, pd.DataFrame] | PatchingResult:
+    tokens = as_tokens(model, corrupted_tokens)
+    sweep = make_sweep(
+        model,
+        tokens,
+        patching_metric,
+        patch_setter,
+        activation_name,
+        index_axis_names,
+        index_df,
+        return_index_df,
+        reduce,
+        baseline,
+    )
+    run_sweeps(model, tokens, clean_cache, [sweep], final_logits_only, max_logits_gb)
+    return sweep.result()
+
+
+generic_activation_patch.__doc__ = (
+    (tl.generic_activation_patch.__doc__ or "")
+    + """
+    vlens: every cell × corrupted prompt is one request of one batched vLLM call (split into
+    several calls when the logits would exceed ``max_logits_gb``); ``final_logits_only=True``
+    gives the metric the last position's logits only, ``[batch, 1, d_vocab]``.
+    """
+)
+
+
+def _specialised(name: str) -> partial:
+    """``generic_activation_patch`` with the setter, activation and axes TransformerLens gives
+    its function ``name``, and its docstring."""
+    theirs = getattr(tl, name)
+    ours = partial(generic_activation_patch, **theirs.keywords)
+    ours.__doc__ = theirs.__doc__
+    return ours
+
+
+get_act_patch_resid_pre = _specialised("get_act_patch_resid_pre")
+get_act_patch_resid_mid = _specialised("get_act_patch_resid_mid")
+get_act_patch_attn_out = _specialised("get_act_patch_attn_out")
+get_act_patch_mlp_out = _specialised("get_act_patch_mlp_out")
+get_act_patch_attn_head_out_by_pos = _specialised("get_act_patch_attn_head_out_by_pos")
+get_act_patch_attn_head_q_by_pos = _specialised("get_act_patch_attn_head_q_by_pos")
+get_act_patch_attn_head_k_by_pos = _specialised("get_act_patch_attn_head_k_by_pos")
+get_act_patch_attn_head_v_by_pos = _specialised("get_act_patch_attn_head_v_by_pos")
+get_act_patch_attn_head_pattern_by_pos = _specialised("get_act_patch_attn_head_pattern_by_pos")
+get_act_patch_attn_head_pattern_dest_src_pos = _specialised(
+    "get_act_patch_attn_head_pattern_dest_src_pos"
+)
+get_act_patch_attn_head_out_all_pos = _specialised("get_act_patch_attn_head_out_all_pos")
+get_act_patch_attn_head_q_all_pos = _specialised("get_act_patch_attn_head_q_all_pos")
+get_act_patch_attn_head_k_all_pos = _specialised("get_act_patch_attn_head_k_all_pos")
+get_act_patch_attn_head_v_all_pos = _specialised("get_act_patch_attn_head_v_all_pos")
+get_act_patch_attn_head_pattern_all_pos = _specialised("get_act_patch_attn_head_pattern_all_pos")
+
+
+# ---- the *_every helpers: several sweeps, one batched call ------------------------------------
+
+
+def _every(
+    functions: Sequence[partial],
+    model: Any,
+    corrupted_tokens: Any,
+    clean_cache: Any,
+    metric: MetricFn | Mapping[str, MetricFn],
+    kwargs: dict[str, Any],
+) -> list[Tensor | PatchingResult]:
+    """The sweeps of a ``*_every`` helper, run together; a requested baseline evaluated once
+    (with the first sweep), and tensor results given the result shape then, as TransformerLens
+    does."""
+    kwargs = dict(kwargs)
+    baseline = bool(kwargs.pop("baseline", False))
+    final_only = bool(kwargs.pop("final_logits_only", False))
+    budget = float(kwargs.pop("max_logits_gb", 1.0))
+    reduce = kwargs.pop("reduce", "scalar")
+    if kwargs:
+        raise TypeError(f"unexpected keyword arguments {sorted(kwargs)}")
+    tokens = as_tokens(model, corrupted_tokens)
+    sweeps = []
+    for i, function in enumerate(functions):
+        keywords = function.keywords
+        sweeps.append(
+            make_sweep(
+                model,
+                tokens,
+                metric,
+                keywords["patch_setter"],
+                keywords["activation_name"],
+                keywords["index_axis_names"],
+                None,
+                False,
+                reduce,
+                baseline and i == 0,
+            )
+        )
+    run_sweeps(model, tokens, clean_cache, sweeps, final_only, budget)
+    results: list[Tensor | PatchingResult] = []
+    for function, sweep in zip(functions, sweeps):
+        out = sweep.result()
+        if baseline and isinstance(out, Tensor):
+            # TransformerLens names the pattern sweeps' axes head_index/dest_pos here too.
+            out = tl._wrap_tensor_result(out, function.keywords["index_axis_names"])
+        results.append(out)
+    return results
+
+
+def _stacked_heads(results: list[Any], model: Any, by_pos: bool) -> Tensor | PatchingResult:
+    """TransformerLens's stacking of the five head sweeps (out, q, k, v, pattern)."""
+    if all(isinstance(r, Tensor) for r in results):
+        n_heads = results[0].size(-1)
+        tensors = list(results)
+        for i in (2, 3):  # GQA: k and v have n_key_value_heads, padded with zeros
+            tensors[i] = torch.nn.functional.pad(tensors[i], (0, n_heads - tensors[i].size(-1)))
+        if by_pos:  # the pattern sweep is [layer, head, dest_pos]
+            tensors[4] = tensors[4].permute(0, 2, 1)
+        return torch.stack(tensors, dim=0)
+    order = ("layer", "pos", "head") if by_pos else ("layer", "head")
+    return tl._stack_patch_types(
+        results, axis_order=order, n_heads=model.cfg.n_heads, type_names=tl._HEAD_TYPES
+    )
+
+
+def get_act_patch_attn_head_all_pos_every(
+    model: Any, corrupted_tokens: Any, clean_cache: Any, metric: Any, **kwargs: Any
+) -> Tensor | PatchingResult:
+    functions = (
+        get_act_patch_attn_head_out_all_pos,
+        get_act_patch_attn_head_q_all_pos,
+        get_act_patch_attn_head_k_all_pos,
+        get_act_patch_attn_head_v_all_pos,
+        get_act_patch_attn_head_pattern_all_pos,
+    )
+    results = _every(functions, model, corrupted_tokens, clean_cache, metric, kwargs)
+    return _stacked_heads(results, model, by_pos=False)
+
+
+def get_act_patch_attn_head_by_pos_every(
+    model: Any, corrupted_tokens: Any, clean_cache: Any, metric: Any, **kwargs: Any
+) -> Tensor | PatchingResult:
+    functions = (
+        get_act_patch_attn_head_out_by_pos,
+        get_act_patch_attn_head_q_by_pos,
+        get_act_patch_attn_head_k_by_pos,
+        get_act_patch_attn_head_v_by_pos,
+        get_act_patch_attn_head_pattern_by_pos,
+    )
+    results = _every(functions, model, corrupted_tokens, clean_cache, metric, kwargs)
+    return _stacked_heads(results, model, by_pos=True)
+
+
+def get_act_patch_block_every(
+    model: Any, corrupted_tokens: Any, clean_cache: Any, metric: Any, **kwargs: Any
+) -> Tensor | PatchingResult:
+    functions = (get_act_patch_resid_pre, get_act_patch_attn_out, get_act_patch_mlp_out)
+    results = _every(functions, model, corrupted_tokens, clean_cache, metric, kwargs)
+    if all(isinstance(r, Tensor) for r in results):
+        return torch.stack(results, dim=0)
+    return tl._stack_patch_types(
+        results, axis_order=("layer", "pos"), n_heads=0, type_names=tl._BLOCK_TYPES
+    )
+
+
+for _name in (
+    "get_act_patch_attn_head_all_pos_every",
+    "get_act_patch_attn_head_by_pos_every",
+    "get_act_patch_block_every",
+):
+    globals()[_name].__doc__ = getattr(tl, _name).__doc__
+
+
+# ---- not available ----------------------------------------------------------------------------
+
+
+def get_act_patch_direct_path(*args: Any, **kwargs: Any) -> Tensor:
+    """Not available on vlens: direct path patching adds a source head's write to one later
+    head's own copy of the block input (``attn.hook_q_input`` / ``hook_k_input`` /
+    ``hook_v_input``), and vLLM computes every head's q, k and v from one shared input; vlens
+    offers those copies to read, not to edit."""
+    raise NotImplementedError(
+        "get_act_patch_direct_path: the per-head block inputs (attn.hook_q_input, ...) can be "
+        "read on vlens but not edited (vLLM forms q, k and v of every head from one shared "
+        "input); run it on TransformerLens's TransformerBridge"
+    )
+
+
+def get_act_patch_direct_path_all_sources(*args: Any, **kwargs: Any) -> Tensor:
+    """Not available on vlens: see :func:`get_act_patch_direct_path`."""
+    get_act_patch_direct_path()
+    raise AssertionError("unreachable")
