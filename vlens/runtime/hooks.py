@@ -163,12 +163,12 @@ def _call(function: HookFunction, value: Tensor, hook: Hook) -> Tensor | None:
     try:
         return function(value, hook)
     except Exception as error:
-        name = getattr(function, "__qualname__", repr(function))
+        name = function_name(function)
         raise HookError(f"hook function {name} on {hook.name} raised {error!r}") from error
 
 
 def _check(returned: Any, value: Tensor, name: str, function: HookFunction) -> None:
-    label = f"hook function {getattr(function, '__qualname__', repr(function))} on {name}"
+    label = f"hook function {function_name(function)} on {name}"
     if not isinstance(returned, Tensor):
         raise HookError(f"{label} returned {type(returned).__name__}; return a tensor or None")
     if returned.shape != value.shape:
@@ -177,3 +177,10 @@ def _check(returned: Any, value: Tensor, name: str, function: HookFunction) -> N
         )
     if returned.dtype != value.dtype:
         raise HookError(f"{label} returned dtype {returned.dtype}; expected {value.dtype}")
+
+
+def function_name(function: Any) -> str:
+    """A hook function's name for messages: a ``functools.partial`` by the function it wraps
+    (its repr would print the bound arguments, often whole tensors)."""
+    wrapped = getattr(function, "func", function)
+    return getattr(wrapped, "__qualname__", type(wrapped).__name__)
