@@ -70,3 +70,19 @@ def bridge_smollm2() -> object:
     booted = TransformerBridge.boot_transformers(str(smollm2_path()), dtype=torch.float32)
     booted.enable_compatibility_mode(no_processing=True)
     return booted
+
+
+@pytest.fixture(scope="session")
+def clean_runs(hooked, bridge) -> Callable[..., tuple]:
+    """``clean_runs(arch, clean, corrupted)``: the engine and TransformerLens's bridge of a tiny
+    model, the prompts, and each side's cache of the clean prompts (for patching tests)."""
+    import torch
+
+    def run(arch: str, clean: object, corrupted: object) -> tuple:
+        model, reference = hooked(arch), bridge(arch)
+        _, cache = model.run_with_cache(clean)
+        with torch.no_grad():
+            _, reference_cache = reference.run_with_cache(clean)
+        return model, reference, clean, corrupted, cache, reference_cache
+
+    return run

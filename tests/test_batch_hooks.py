@@ -77,19 +77,9 @@ def patch_head_pattern(corrupted_head_pattern, hook, head_index, clean_cache):
 
 
 @pytest.fixture(scope="module", params=["llama", "gpt2"])
-def arch(request) -> str:
-    return request.param
-
-
-@pytest.fixture(scope="module")
-def setup(arch, hooked, bridge):
-    """The engine, TransformerLens's bridge, the prompts and each side's clean cache."""
-    model, reference = hooked(arch), bridge(arch)
-    clean, corrupted = prompts()
-    _, cache = model.run_with_cache(clean)
-    with torch.no_grad():
-        _, reference_cache = reference.run_with_cache(clean)
-    return model, reference, clean, corrupted, cache, reference_cache
+def setup(request, clean_runs):
+    """The engine, TransformerLens's bridge, this module's prompts and each side's clean cache."""
+    return clean_runs(request.param, *prompts())
 
 
 def both_patched(setup, name: str, patch, **where) -> tuple[Tensor, Tensor, list]:
