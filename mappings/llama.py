@@ -23,14 +23,25 @@ rebuilt from the rotated q and k (vLLM never forms them); per-head results use t
 ``o_proj`` weight. Where a hook function is on them, the worker computes that layer's attention
 from ``attn``'s inputs (q and k rotated, v) and writes z as ``attn``'s output; per-head results
 through ``o_proj`` (:class:`~vlens.mapping.ExplicitAttention`).
+
+Where the config sets a ``sliding_window`` shorter than its context (Mistral-7B-v0.1), vLLM
+attends over that window on every layer; scores and patterns rebuilt with full causal attention
+would be wrong past it, so they are not offered there (:func:`windowed_name_error`), and hooks on
+per-head results cannot run explicitly.
+
+Other members of the family (``qwen3.py``, ``mistral.py``, ``qwen2.py``) are this mapping with
+their differences (:meth:`~vlens.mapping.ArchitectureMapping.member`).
 """
 
-from transformers import PretrainedConfig
+import re
+
+from transformers import LlamaConfig, PretrainedConfig
 
 from vlens.mapping import (
     ArchitectureMapping,
     Argument,
     ExplicitAttention,
+    NoExplicitAttention,
     Shards,
     Spec,
     attention_pattern,
@@ -45,6 +56,7 @@ from vlens.mapping import (
     rms_normalized,
     rms_scale,
 )
+from vlens.testing import rotary_dims
 from vlens.weights import WeightNames
 
 LAYER = "model.layers.{layer}"
@@ -59,6 +71,13 @@ def dimensions(config: PretrainedConfig) -> tuple[int, int, int]:
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     d_head = getattr(config, "head_dim", None) or config.hidden_size // heads
     return heads, kv_heads, d_head
+
+
+def sliding_window(config: PretrainedConfig) -> int | None:
+    """The window vLLM's attention keeps on every layer (``config.sliding_window``), or None
+    where attention is fully causal (no window, or one as long as the context)."""
+    window = getattr(config, "sliding_window", None)
+    return window if window is not None and window < config.max_position_embeddings else None
 
 
 def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
@@ -87,7 +106,13 @@ def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
         d_head=d_head,
         scale=scale,
     )
-    return {
+    window = sliding_window(config)
+    if window is not None:
+        explicit = NoExplicitAttention(
+            f"vLLM attends over a sliding window of {window} tokens (config.sliding_window), "
+            f"which vlens does not compute attention with; hook attn.hook_z instead"
+        )
+    specs = {
         "hook_embed": leaving("model.embed_tokens"),
         f"{BLOCK}.hook_resid_pre": resid_pre,
         f"{BLOCK}.hook_attn_in": repeated_per_head(resid_pre, heads),
@@ -127,6 +152,26 @@ def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
         "ln_final.hook_normalized": rms_normalized(resid_final, eps),
         "unembed.hook_out": logits(leaving("model.norm", element=0)),
     }
+    if window is not None:
+        del specs[f"{BLOCK}.attn.hook_attn_scores"], specs[f"{BLOCK}.attn.hook_pattern"]
+    return specs
+
+
+def windowed_name_error(name: str) -> str | None:
+    """Why attention scores and patterns are missing (a config with a sliding window: see the
+    module's docstring); None for any other name."""
+    if not re.search(r"attn\.hook_(attn_scores|pattern)$", name):
+        return None
+    return (
+        f"{name!r}: this model attends over a sliding window (config.sliding_window) and vlens "
+        f"rebuilds attention scores and patterns with full causal attention only, so they are "
+        f"not offered; attn.hook_rot_q, attn.hook_rot_k, attn.hook_v and attn.hook_z are"
+    )
+
+
+def tiny_config() -> PretrainedConfig:
+    """Llama: tied embeddings, as in SmolLM2."""
+    return LlamaConfig(**rotary_dims(), rms_norm_eps=1e-5, tie_word_embeddings=True)
 
 
 WEIGHTS = WeightNames(
@@ -159,4 +204,7 @@ MAPPING = ArchitectureMapping(
     weights=WEIGHTS,
     tensor_parallel=True,
     compiled_graph=True,
+    unavailable=windowed_name_error,
+    tiny_configs={"llama": tiny_config},
+    hf_recorder="hf_llama",
 )

@@ -12,11 +12,12 @@ attention adds a per-head RMSNorm on q and k between ``qkv_proj`` and the rotary
 values are heads-first (``[batch, head, pos, d_head]``), as TransformerLens's bridge gives them.
 """
 
-from transformers import PretrainedConfig
+from transformers import PretrainedConfig, Qwen3Config
 
-from vlens.mapping import ArchitectureMapping, Shards, Spec, heads_first, leaving
+from vlens.mapping import Shards, Spec, heads_first, leaving
 from vlens.mappings import llama
 from vlens.mappings.llama import ATTN, BLOCK
+from vlens.testing import rotary_dims
 
 
 def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
@@ -34,10 +35,11 @@ def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
     return {**dict(list(specs.items())[:at]), **normed, **dict(list(specs.items())[at:])}
 
 
-MAPPING = ArchitectureMapping(
-    architectures=("Qwen3ForCausalLM",),
-    hook_specs=hook_specs,
-    weights=llama.WEIGHTS,
-    tensor_parallel=True,
-    compiled_graph=True,
+def tiny_config() -> PretrainedConfig:
+    """Qwen3: QK-norm, untied unembedding, head_dim given explicitly as Qwen3 reads it."""
+    return Qwen3Config(**rotary_dims(), head_dim=32, rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+
+MAPPING = llama.MAPPING.member(
+    "Qwen3ForCausalLM", hook_specs=hook_specs, tiny_configs={"qwen3": tiny_config}
 )

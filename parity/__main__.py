@@ -18,22 +18,28 @@ from vlens.parity.run import DECODE_STEPS, run_parity
 
 def checkpoint(arg: str) -> Path:
     """A tiny test model's name, or else a checkpoint folder."""
-    from vlens.testing import CONFIG_BUILDERS, tiny_model
+    from vlens.testing import ARCHS, tiny_model
 
-    if arg in CONFIG_BUILDERS:
+    if arg in ARCHS:
         return tiny_model(arg)
     if not Path(arg).is_dir():
-        raise SystemExit(f"{arg!r} is neither a folder nor one of {sorted(CONFIG_BUILDERS)}")
+        raise SystemExit(f"{arg!r} is neither a folder nor one of {sorted(ARCHS)}")
     return Path(arg)
+
+
+def default_models() -> list[str]:
+    """Every tiny model the mapping files declare."""
+    from vlens.testing import ARCHS
+
+    return list(ARCHS)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m vlens.parity", description=__doc__)
-    parser.add_argument(
-        "models", nargs="*", default=["qwen3", "llama", "gpt2", "deepseek_v3", "deepseek_v2"]
-    )
+    parser.add_argument("models", nargs="*", help="default: every tiny model (default_models)")
     parser.add_argument("--out", type=Path, help="also write the report (Markdown) here")
     args = parser.parse_args(argv)
+    args.models = args.models or default_models()
 
     import vllm
 

@@ -91,20 +91,17 @@ def hf_reference_in(path: Path, prompts: list[list[int]], dtype: torch.dtype) ->
 
 
 def auto_archs() -> list[str]:
-    """The tiny architectures whose mapping is registered (``mappings.MAPPING_MODULES``)."""
-    from transformers import AutoConfig
+    """The tiny models the mapping files declare, but for those their mapping says vLLM on CUDA
+    cannot run as they are (``ArchitectureMapping.tiny_off_cuda``: DeepSeek's, which
+    ``tools/gpu/gpu_deepseek.sh`` runs with other dimensions)."""
+    from vlens.mappings import all_mappings
 
-    from vlens.mappings import mapping_for
-    from vlens.testing import ARCHS, tiny_model
-
-    found = []
-    for arch in ARCHS:
-        try:
-            mapping_for(AutoConfig.from_pretrained(tiny_model(arch)))
-        except NotImplementedError:
-            continue
-        found.append(arch)
-    return found
+    return [
+        name
+        for mapping in all_mappings()
+        if mapping.tiny_off_cuda is None
+        for name in mapping.tiny_configs
+    ]
 
 
 def runner_of(model: Any) -> Any:
@@ -394,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("models", nargs="*",
                         help="tiny architectures or checkpoint folders (default: every tiny "
-                        "architecture with a mapping)")
+                        "model the mapping files declare that CUDA runs as it is)")
     parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"],
                         choices=["float32", "bfloat16"])
     parser.add_argument("--isolation", action="store_true", help="also check steering isolation")

@@ -1,4 +1,5 @@
-"""HuggingFace reference for Llama and Qwen3 (``model.model.layers[i]``, RMSNorm, rotary)."""
+"""HuggingFace reference for the Llama family (Llama, Qwen3, Mistral, Qwen2:
+``model.model.layers[i]``, RMSNorm, rotary)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ def per_head(x: Tensor, d_head: int) -> Tensor:
 def record(
     model: nn.Module, recorder: Recorder
 ) -> Callable[[Tensor, tuple[Tensor, ...]], Values]:
-    """Hooks for Llama and Qwen3 (``model.model.layers[i]`` with RMSNorm); returns the function
+    """Hooks for the Llama family (``model.model.layers[i]`` with RMSNorm); returns the function
     that turns one forward's recordings (and its logits) into canonical names.
 
     Rotated q and k, attention scores and per-head results are not module outputs in

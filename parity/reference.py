@@ -65,21 +65,18 @@ def rms_parts(x: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     return scale, x / scale
 
 
-#: HuggingFace architecture → module of this package whose ``record(model, recorder)`` installs
-#: the hooks and returns the function turning one forward's recordings into canonical names.
-RECORDERS = {
-    "LlamaForCausalLM": "hf_llama",
-    "Qwen3ForCausalLM": "hf_llama",
-    "GPT2LMHeadModel": "hf_gpt2",
-    "DeepseekV2ForCausalLM": "hf_deepseek",
-    "DeepseekV3ForCausalLM": "hf_deepseek",
-}
-
-
 def recorder_for(architecture: str) -> Callable[..., Callable[[Tensor, tuple[Tensor, ...]], Values]]:
-    if architecture not in RECORDERS:
-        raise NotImplementedError(f"no HuggingFace reference for {architecture}")
-    return import_module(f"vlens.parity.{RECORDERS[architecture]}").record
+    """The ``record(model, recorder)`` of the module of this package that the architecture's
+    mapping names (``ArchitectureMapping.hf_recorder``): it installs the hooks and returns the
+    function turning one forward's recordings into canonical names."""
+    from vlens.mappings import served
+
+    mapping = served().get(architecture)
+    if mapping is None or mapping.hf_recorder is None:
+        raise NotImplementedError(
+            f"no HuggingFace reference for {architecture}: its mapping file names no hf_recorder"
+        )
+    return import_module(f"vlens.parity.{mapping.hf_recorder}").record
 
 
 @torch.no_grad()

@@ -12,6 +12,11 @@ from vlens import HookedVLLM
 from vlens.testing import tiny_model
 
 
+#: A KV cache the size of what the tests run (vlens's CPU default is 1 GiB per engine, and the
+#: session holds a few dozen engines).
+TINY_KV_CACHE = {"kv_cache_memory_bytes": 64 * 2**20}
+
+
 @pytest.fixture(scope="session")
 def hooked() -> Callable[..., HookedVLLM]:
     """``hooked("qwen3", **engine_args)``: the session's fp32 engine for a tiny model, built
@@ -19,13 +24,13 @@ def hooked() -> Callable[..., HookedVLLM]:
     arguments to every engine, e.g. ``{"gpu_memory_utilization": 0.2}`` where two suites share
     a GPU."""
     engines: dict[tuple, HookedVLLM] = {}
-    extra = json.loads(os.environ.get("VLENS_TEST_ENGINE_ARGS", "{}"))
+    extra = {**TINY_KV_CACHE, **json.loads(os.environ.get("VLENS_TEST_ENGINE_ARGS", "{}"))}
 
     def get(arch: str, **engine_args: object) -> HookedVLLM:
         key = (arch, *sorted(engine_args.items()))
         if key not in engines:
             engines[key] = HookedVLLM.from_pretrained(
-                tiny_model(arch), dtype="float32", **extra, **engine_args
+                tiny_model(arch), **{"dtype": "float32", **extra, **engine_args}
             )
         return engines[key]
 
@@ -56,7 +61,9 @@ def smollm2() -> HookedVLLM:
     """The embedded SmolLM2-135M (a real trained model) in vLLM, fp32, built once."""
     from vlens.embedded import smollm2_path
 
-    return HookedVLLM.from_pretrained(smollm2_path(), dtype="float32", max_model_len=512)
+    return HookedVLLM.from_pretrained(
+        smollm2_path(), dtype="float32", max_model_len=512, kv_cache_memory_bytes=256 * 2**20
+    )
 
 
 @pytest.fixture(scope="session")

@@ -140,7 +140,7 @@ def test_sampler_names_and_hooks_still_work_outside_the_graph(compiled):
     assert all(banned not in row[len(prompt):] for row, prompt in zip(tokens, PROMPTS))
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen3", "mistral", "qwen2"])
 def test_every_name_reads_the_same_traced_as_eager(hooked, arch):
     eager = hooked(arch)
     names = tuple(name for name in eager.hook_names if not name.startswith("sampler."))

@@ -69,7 +69,8 @@ def test_routing_is_vllms(arch):
     bias = torch.randn(config.n_routed_experts) * 0.3
     weights = {ours.bias_name: bias} if ours.bias_name else {}
     batch = Batch(
-        mask=torch.ones(1, 500, dtype=torch.bool), weights=weights, sampled=torch.zeros(1, 0)
+        mask=torch.ones(1, 500, dtype=torch.bool), weights=weights, sampled=torch.zeros(1, 0),
+        lengths=(500,),
     )
     our_weights, our_indices = ours(logits, batch)
     their_weights, their_indices = _grouped_topk(

@@ -125,7 +125,7 @@ def assert_weights_match(model: ModelViews, bridge: TransformerBridge, layers: l
         assert_same(f"accumulated_bias({layer}, True)", ours, theirs)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3", "gpt2"])
+@pytest.fixture(scope="module", params=["llama", "qwen3", "gpt2", "mistral", "qwen2"])
 def pair(request) -> tuple[CheckpointOnly, TransformerBridge]:
     path = tiny_model(request.param)
     return CheckpointOnly(path), boot_bridge(path)
@@ -184,11 +184,16 @@ def test_missing_weights_name_the_architecture(arch):
     for read_weight in (
         lambda: model.W_Q,
         lambda: model.blocks[0].attn.W_Q,
-        lambda: model.W_U,
+        lambda: model.blocks[1].mlp.W_in,
         lambda: model.tl_parameters(),
     ):
         with pytest.raises(NotImplementedError, match=architecture):
             read_weight()
+    # MLA and MoE have an embedding, norms, per-head output projections and an unembedding.
+    cfg = model.cfg
+    assert model.W_U.shape == (cfg.d_model, cfg.d_vocab)
+    assert model.ln_final.w.shape == (cfg.d_model,)
+    assert model.blocks[0].attn.W_O.shape == (cfg.n_heads, 32, cfg.d_model)  # v_head_dim 32
 
 
 def test_hook_point_views_add_and_remove_through_the_registry():

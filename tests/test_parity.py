@@ -7,7 +7,7 @@ from vlens.parity.run import run_parity
 from vlens.testing import tiny_model
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama", "gpt2"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "gpt2", "mistral", "qwen2"])
 def test_every_name_matches_references(hooked, arch):
     model = hooked(arch)
     rows, uncovered = run_parity(model, tiny_model(arch))

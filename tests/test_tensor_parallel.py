@@ -13,7 +13,9 @@ TEXTS = ["Tensor parallel hooks", "run in every worker process, with the same in
 @pytest.fixture(scope="module", params=["qwen3", "llama"])
 def two_ranks(request) -> tuple[str, HookedVLLM]:
     arch = request.param
-    return arch, HookedVLLM.from_pretrained(tiny_model(arch), dtype="float32", tensor_parallel_size=2)
+    return arch, HookedVLLM.from_pretrained(
+        tiny_model(arch), dtype="float32", tensor_parallel_size=2, kv_cache_memory_bytes=64 * 2**20
+    )
 
 
 def test_every_name_equals_one_rank(two_ranks, hooked):
@@ -72,30 +74,37 @@ def test_raw_locations_are_refused_under_tensor_parallelism(two_ranks):
 
 
 def test_worker_processes_import_neither_the_facade_nor_transformer_lens():
-    """A spawned worker (as on a GPU, where vLLM never forks) loads vlens's runtime only."""
+    """A spawned worker (as on a GPU, where vLLM never forks) loads vlens's runtime only, and
+    vLLM's channels are not opened to pickled payloads (``VLLM_ALLOW_INSECURE_SERIALIZATION``
+    stays unset in the user's process and in the workers)."""
     import subprocess
     import sys
 
     script = """
 import os, sys
 os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+os.environ.pop("VLLM_ALLOW_INSECURE_SERIALIZATION", None)
 from vlens import HookedVLLM
 from vlens.testing import tiny_model
 model = HookedVLLM.from_pretrained(tiny_model("llama"), dtype="float32", tensor_parallel_size=2)
 model.run_with_cache("spawned workers", names_filter="blocks.0.hook_resid_post")
+print("INSECURE", os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION", "unset"))
 def loaded(worker):
-    return sorted(m for m in sys.modules if m.split(".")[0] in ("vlens", "transformer_lens"))
+    insecure = os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION", "unset")
+    return insecure, sorted(m for m in sys.modules if m.split(".")[0] in ("vlens", "transformer_lens"))
 import cloudpickle
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
-for modules in model.engine.llm.collective_rpc(loaded):
-    print("WORKER", " ".join(modules))
+for insecure, modules in model.engine.llm.collective_rpc(loaded):
+    print("WORKER", insecure, " ".join(modules))
 """
     result = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=600
     )
     workers = [line.split()[1:] for line in result.stdout.splitlines() if line.startswith("WORKER")]
     assert len(workers) == 2, result.stderr[-3000:]
-    for modules in workers:
+    assert "INSECURE unset" in result.stdout
+    for insecure, *modules in workers:
+        assert insecure == "unset"
         assert "vlens.runtime.worker" in modules  # the runtime did run there
         assert not [m for m in modules if m.startswith("transformer_lens")], modules
         assert "vlens.hooked" not in modules and "vlens.cache" not in modules, modules

@@ -9,7 +9,9 @@ Writing streams: prompts run through vLLM one batch at a time and a shard is wri
 is full, so memory holds at most one shard and one batch. Writing resumes: a shard is written under
 a temporary name and renamed once on disk, and only then recorded in the manifest (itself replaced
 by rename), so an interrupted run leaves a manifest that names only whole shards; the next run
-deletes anything else and carries on after the last recorded prompt.
+deletes anything else and carries on after the last recorded prompt. The manifest records each
+shard's size and sha256, and a resume checks them first: it rewrites a shard that fails its check
+by running that shard's prompts again (see :mod:`vlens.store_manifest`).
 """
 
 from __future__ import annotations
@@ -17,12 +19,13 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import fnmatch
+import functools
 import importlib.metadata
 import itertools
 import json
-import os
 import re
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+import tempfile
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,20 +38,24 @@ from tqdm import tqdm
 from vlens.hooked import HookedVLLM
 from vlens.mapping import Spec
 from vlens.names import canonical
+from vlens.store_manifest import (
+    FORMAT,
+    MANIFEST,
+    MANIFEST_TEMP,
+    SHARD_GLOB,
+    TEMP_SUFFIX,
+    StoreError,
+    checksums,
+    read_manifest,
+    shard_problems,
+    write_atomically,
+    write_manifest,
+)
 
-FORMAT = "vlens-activations/1"
-MANIFEST = "manifest.json"
-SHARD_GLOB = "shard-*.safetensors"
-TEMP_SUFFIX = ".tmp"
-MANIFEST_TEMP = MANIFEST + TEMP_SUFFIX
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 #: A prompt: text (tokenized by the model's tokenizer) or token ids.
 Prompt = str | list[int]
-
-
-class StoreError(ValueError):
-    """A request the store cannot honour: a bad name or prompt file, or a store made differently."""
 
 
 # ---- which names ---------------------------------------------------------------------------------
@@ -139,24 +146,29 @@ class Settings:
 
 
 class ActivationStore:
-    """A store folder being written: its manifest in memory, appended one whole shard at a time."""
+    """A store folder being written: its manifest in memory, appended one whole shard at a time.
+    ``damaged`` maps each recorded shard that failed its check when the store was opened to what
+    is wrong with it; :func:`fill_store` rewrites those first."""
 
     def __init__(self, folder: Path, settings: Settings, manifest: dict[str, Any] | None) -> None:
         self.folder = folder
         self.settings = settings
         self.manifest = manifest
+        self.damaged: dict[int, str] = {}
 
     @classmethod
-    def open(cls, folder: Path, settings: Settings) -> ActivationStore:
-        """Open ``folder`` to write or resume: removes what an interrupted run left unrecorded and
-        refuses a manifest made with other settings."""
-        folder.mkdir(parents=True, exist_ok=True)
-        manifest_path = folder / MANIFEST
-        manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else None
+    def open(cls, folder: Path, settings: Settings, progress: bool = False) -> ActivationStore:
+        """Open ``folder`` to write or resume: refuses a folder it cannot write and a manifest made
+        with other settings, removes what an interrupted run left unrecorded, and checks every
+        recorded shard."""
+        _require_writable_folder(folder)
+        manifest = read_manifest(folder)
         if manifest is not None:
-            _require_same_settings(manifest, settings, manifest_path)
+            _require_same_settings(manifest, settings, folder / MANIFEST)
         store = cls(folder, settings, manifest)
         store._remove_unrecorded()
+        if manifest is not None:
+            store._check_shards(progress)
         return store
 
     @property
@@ -168,19 +180,32 @@ class ActivationStore:
         entry = self.manifest["prompts"][index]
         return entry["tokens"][: entry["prompt_length"]]
 
+    def shard_prompts(self, index: int) -> list[dict[str, Any]]:
+        """The manifest's records of the prompts in shard ``index``, in order."""
+        return [prompt for prompt in self.manifest["prompts"] if prompt["shard"] == index]
+
     def add_shard(self, tensors: dict[str, Tensor], prompts: list[dict[str, Any]]) -> None:
         """Write one shard, then record it and its prompts: the manifest never names a partial
         file."""
         if self.manifest is None:
             self.manifest = self._new_manifest(tensors)
         index = len(self.manifest["shards"])
-        file = f"shard-{index:05d}.safetensors"
-        _write_atomically(self.folder / file, lambda temp: save_file(tensors, temp))
-        rows = next(iter(tensors.values())).shape[0]
-        self.manifest["shards"].append({"file": file, "rows": rows})
+        self.manifest["shards"].append(self._write_shard(index, tensors))
         self.manifest["prompts"].extend({"shard": index, **prompt} for prompt in prompts)
-        text = _manifest_text(self.manifest)
-        _write_atomically(self.folder / MANIFEST, lambda temp: temp.write_text(text))
+        write_manifest(self.folder, self.manifest)
+
+    def rewrite_shard(self, index: int, tensors: dict[str, Tensor]) -> None:
+        """Replace damaged shard ``index`` with ``tensors``, its prompts' rows computed again."""
+        self.manifest["shards"][index] = self._write_shard(index, tensors)
+        write_manifest(self.folder, self.manifest)
+        del self.damaged[index]
+
+    def _write_shard(self, index: int, tensors: dict[str, Tensor]) -> dict[str, Any]:
+        """Write shard ``index``; its record for the manifest."""
+        path = self.folder / f"shard-{index:05d}.safetensors"
+        write_atomically(path, lambda temp: save_file(tensors, temp))
+        rows = next(iter(tensors.values())).shape[0]
+        return {"file": path.name, "rows": rows, **checksums(path)}
 
     def _new_manifest(self, tensors: dict[str, Tensor]) -> dict[str, Any]:
         import vllm
@@ -209,13 +234,44 @@ class ActivationStore:
     def _remove_unrecorded(self) -> None:
         """Temporary files, and shards the manifest does not name, are what an interruption left."""
         recorded = {shard["file"] for shard in (self.manifest or {"shards": []})["shards"]}
-        missing = recorded - {path.name for path in self.folder.glob(SHARD_GLOB)}
-        if missing:
-            raise StoreError(f"{self.folder} lacks shards its manifest records: {sorted(missing)}")
         leftovers = [path for path in self.folder.glob(SHARD_GLOB) if path.name not in recorded]
         leftovers += [*self.folder.glob(SHARD_GLOB + TEMP_SUFFIX), self.folder / MANIFEST_TEMP]
         for path in leftovers:
             path.unlink(missing_ok=True)
+
+    def _check_shards(self, progress: bool) -> None:
+        """Find the shards that fail their check. Readable shards that an older manifest recorded
+        without checksums get theirs now, so that later checks compare bytes."""
+        bar = functools.partial(
+            tqdm, desc="checking shards", unit="shard", leave=False, disable=not progress
+        )
+        self.damaged = shard_problems(self.folder, self.manifest, bar)
+        shards = self.manifest["shards"]
+        unrecorded = [i for i, shard in enumerate(shards) if "sha256" not in shard]
+        readable = [index for index in unrecorded if index not in self.damaged]
+        for index in readable:
+            shards[index].update(checksums(self.folder / shards[index]["file"]))
+        if readable:
+            write_manifest(self.folder, self.manifest)
+
+
+def _require_writable_folder(folder: Path) -> None:
+    """Refuse, before any work, a store folder that is a file, lies under one, or is not
+    writable."""
+    try:
+        existing = next(path for path in [folder, *folder.parents] if path.exists())
+        if not existing.is_dir():
+            raise StoreError(
+                f"{existing} is a file, and a store is a folder: give a folder's path (a new one, "
+                f"or a store to resume)"
+            )
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as error:
+        raise StoreError(
+            f"cannot write to {folder} ({error.strerror}): give a folder you can write to"
+        ) from None
 
 
 def _installed_version(distribution: str) -> str | None:
@@ -240,43 +296,6 @@ def _require_same_settings(manifest: dict[str, Any], settings: Settings, where: 
             f"{where} was written with {'; '.join(differences)}. Resume with the same settings, "
             f"or write to another folder."
         )
-
-
-def _write_atomically(path: Path, write: Callable[[Path], object]) -> None:
-    """``write(temp)``, then make ``temp`` durable and rename it to ``path``: readers see the old
-    file or the whole new one, never part of it."""
-    temp = path.with_name(path.name + TEMP_SUFFIX)
-    write(temp)
-    temp.chmod(0o644)  # safetensors creates files only their owner can read; stores are shared
-    _fsync(temp)
-    os.replace(temp, path)
-    _fsync(path.parent)
-
-
-def _fsync(path: Path) -> None:
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
-def _manifest_text(manifest: dict[str, Any]) -> str:
-    """JSON with one line per field, and one line per record of a list or of a dict of records
-    (prompts, shards, names): readable, and a prompt's tokens stay on its line."""
-    fields = []
-    for key, value in manifest.items():
-        if isinstance(value, list):
-            records, brackets = [json.dumps(item) for item in value], "[]"
-        elif isinstance(value, dict) and all(isinstance(item, dict) for item in value.values()):
-            records = [f"{json.dumps(name)}: {json.dumps(item)}" for name, item in value.items()]
-            brackets = "{}"
-        else:
-            fields.append(f"  {json.dumps(key)}: {json.dumps(value)}")
-            continue
-        body = "".join(f"\n    {record}," for record in records).rstrip(",")
-        fields.append(f"  {json.dumps(key)}: {brackets[0]}{body}\n  {brackets[1]}")
-    return "{\n" + ",\n".join(fields) + "\n}\n"
 
 
 # ---- filling a shard -----------------------------------------------------------------------------
@@ -315,9 +334,13 @@ class ShardBuffer:
             {"start": start, "stop": self.rows, "prompt_length": prompt_length, "tokens": tokens}
         )
 
+    def contents(self) -> dict[str, Tensor]:
+        """The filled rows of every name."""
+        return {name: tensor[: self.rows] for name, tensor in self.tensors.items()}
+
     def flush(self, store: ActivationStore) -> None:
         if self.rows:
-            store.add_shard({n: t[: self.rows] for n, t in self.tensors.items()}, self.prompts)
+            store.add_shard(self.contents(), self.prompts)
         self._empty()
 
 
@@ -325,13 +348,18 @@ class ShardBuffer:
 
 
 def open_store(
-    out: Path, model_path: Path, names: Sequence[str], dtype: str, max_new_tokens: int
+    out: Path,
+    model_path: Path,
+    names: Sequence[str],
+    dtype: str,
+    max_new_tokens: int,
+    progress: bool = False,
 ) -> ActivationStore:
     """Open ``out`` for these settings (see :meth:`ActivationStore.open`)."""
     if dtype not in DTYPES:
         raise StoreError(f"dtype must be one of {sorted(DTYPES)}, not {dtype!r}")
     settings = Settings(str(Path(model_path).resolve()), tuple(names), dtype, max_new_tokens)
-    return ActivationStore.open(Path(out), settings)
+    return ActivationStore.open(Path(out), settings, progress)
 
 
 def write_activations(
@@ -348,33 +376,85 @@ def write_activations(
     progress: bool = True,
 ) -> ActivationStore:
     """Store the activations of ``names`` (hook names or globs) for every prompt into ``out``,
-    resuming after the prompts an earlier run stored there.
+    resuming after the prompts an earlier run stored there (see :func:`fill_store`)."""
+    names = resolve_names(names, model.hook_specs)
+    store = open_store(out, model.weights.folder, names, dtype, max_new_tokens, progress)
+    return fill_store(
+        model, store, prompts, batch_size=batch_size, shard_tokens=shard_tokens, total=total,
+        progress=progress,
+    )
+
+
+def fill_store(
+    model: HookedVLLM,
+    store: ActivationStore,
+    prompts: Iterable[Prompt],
+    *,
+    batch_size: int = 32,
+    shard_tokens: int = 65536,
+    total: int | None = None,
+    progress: bool = True,
+) -> ActivationStore:
+    """Rewrite the shards of ``store`` that failed their check, then store the prompts after those
+    it holds.
 
     ``prompts`` must give the same prompts, in the same order, as in the run being resumed (the
     last stored prompt is checked). ``total`` (the number of prompts) sizes the progress bar.
     """
     if batch_size < 1 or shard_tokens < 1:
         raise StoreError("batch_size and shard_tokens must be positive")
-    names = resolve_names(names, model.hook_specs)
-    store = open_store(out, model.weights.folder, names, dtype, max_new_tokens)
+    unstored = _unstored(model, prompts, store)  # refuses other prompts before any work
+    for index in sorted(store.damaged):
+        _rewrite_shard(model, store, index, batch_size)
     buffer = ShardBuffer(shard_tokens)
     bar = tqdm(total=total, initial=store.stored_prompts, unit="prompt", disable=not progress)
     with bar:
-        for batch in _batches(_unstored(model, prompts, store), batch_size):
-            _, cache = model.run_with_cache(
-                batch, names_filter=names, return_type=None, max_new_tokens=max_new_tokens
-            )
-            for index, prompt in enumerate(batch):
-                length = int(cache.lengths[index])
-                if not buffer.fits(length):
-                    buffer.flush(store)
-                values = {name: _as(cache.unpadded(name, index), dtype) for name in names}
-                buffer.add(values, cache.tokens[index, :length].tolist(), len(prompt))
-                if buffer.full:
-                    buffer.flush(store)
-            bar.update(len(batch))
+        for values, tokens, prompt_length in _activations(model, store, unstored, batch_size):
+            if not buffer.fits(len(tokens)):
+                buffer.flush(store)
+            buffer.add(values, tokens, prompt_length)
+            if buffer.full:
+                buffer.flush(store)
+            bar.update()
         buffer.flush(store)
     return store
+
+
+REWRITTEN = ("start", "stop", "prompt_length", "tokens")  # what a rewritten shard's prompts keep
+
+
+def _rewrite_shard(model: HookedVLLM, store: ActivationStore, index: int, batch_size: int) -> None:
+    """Run the prompts of shard ``index`` again and write it anew; they must give the rows and
+    tokens that the manifest records."""
+    recorded = store.shard_prompts(index)
+    buffer = ShardBuffer(store.manifest["shards"][index]["rows"])
+    own_tokens = (prompt["tokens"][: prompt["prompt_length"]] for prompt in recorded)
+    for values, tokens, prompt_length in _activations(model, store, own_tokens, batch_size):
+        buffer.add(values, tokens, prompt_length)
+    if buffer.prompts != [{key: p[key] for key in REWRITTEN} for p in recorded]:
+        raise StoreError(
+            f"shard {index} of {store.folder} cannot be rewritten: its prompts, run again, give "
+            f"other tokens than {MANIFEST} records (a different greedy continuation); write the "
+            f"store again to another folder"
+        )
+    store.rewrite_shard(index, buffer.contents())
+
+
+def _activations(
+    model: HookedVLLM, store: ActivationStore, token_lists: Iterable[list[int]], batch_size: int
+) -> Iterator[tuple[dict[str, Tensor], list[int], int]]:
+    """For each prompt, its rows of every stored name, the token ids at those rows, and its own
+    length: ``batch_size`` prompts to one vLLM call."""
+    names, dtype = list(store.settings.names), store.settings.dtype
+    for batch in _batches(token_lists, batch_size):
+        _, cache = model.run_with_cache(
+            batch, names_filter=names, return_type=None,
+            max_new_tokens=store.settings.max_new_tokens,
+        )
+        for index, prompt in enumerate(batch):
+            length = int(cache.lengths[index])
+            values = {name: _as(cache.unpadded(name, index), dtype) for name in names}
+            yield values, cache.tokens[index, :length].tolist(), len(prompt)
 
 
 def _unstored(

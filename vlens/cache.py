@@ -9,7 +9,7 @@ decode step), which are joined in position order and padded here. ``cache.length
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, MutableMapping, Sequence
 from typing import Any
 
 import torch
@@ -17,9 +17,11 @@ from einops import rearrange
 from jaxtyping import Bool, Int
 from torch import Tensor
 from transformer_lens.ActivationCache import ActivationCache
+from transformer_lens.utilities import Slice, SliceInput
 
-from vlens.derived import Batch, WeightsOn, with_formed
+from vlens.derived import Batch, BuiltOnRead, Value, WeightsOn, with_formed
 from vlens.engine import Run
+from vlens.lazy_patterns import LazyAttention
 from vlens.mapping import DerivedSpec, HookSpec, Spec, per_sample
 from vlens.names import UnknownHookName, canonical, short_form
 from vlens.runtime.messages import Chunk, PaddedRows
@@ -34,11 +36,12 @@ def assemble(
     wanted: Sequence[str],
     kept: Sequence[str],
     device: torch.device,
-) -> tuple[dict[str, Tensor], VLensCache]:
+) -> tuple[dict[str, Value], VLensCache]:
     """Every value of ``wanted`` for a finished call, as ``[batch, pos, ...]`` on ``device``
-    (``kept`` names, read from vLLM, padded; derived names computed from them), and the cache of
-    ``names``. With ``generated``, positions run on over the sampled tokens (all but the last,
-    which never went through the model)."""
+    (``kept`` names, read from vLLM, padded; derived names computed from them, attention scores
+    and patterns as values built when read), and the cache of ``names``. With ``generated``,
+    positions run on over the sampled tokens (all but the last, which never went through the
+    model)."""
     specs: dict[str, Spec] = model.hook_specs
     sampled = run.sampled if generated else [[] for _ in prompts]
     tokens = [p + g[: max(0, len(g) - 1)] for p, g in zip(prompts, sampled)]
@@ -56,12 +59,13 @@ def assemble(
         mask=(torch.arange(int(lengths.max()))[None] < lengths[:, None]).to(device),
         weights=WeightsOn(model.weights, device),
         sampled=pad_batch([torch.tensor(tokens) for tokens in run.sampled]).to(device),
+        lengths=tuple(lengths.tolist()),
     )
     formed = [capture.formed for capture in run.captures]
     for name in wanted:
         _derive(name, specs, values, batch, formed)
     shapes = {name: specs[name].shape for name in names}
-    cache = VLensCache({name: values[name] for name in names}, model, lengths, shapes)
+    cache = VLensCache(LazyValues({name: values[name] for name in names}), model, lengths, shapes)
     cache.sampled_lengths = sampled_lengths
     cache.tokens = pad_batch([torch.tensor(t) for t in tokens])
     return values, cache
@@ -70,18 +74,25 @@ def assemble(
 def _derive(
     name: str,
     specs: dict[str, Spec],
-    values: dict[str, Tensor],
+    values: dict[str, Value],
     batch: Batch,
     formed: Sequence[dict[str, Tensor]],
-) -> Tensor:
+) -> Value:
     """A derived name's value; for the requests whose worker formed it (attention computed
     explicitly for hook functions), the worker's value, as the hooks left it."""
     if name not in values:
         spec = specs[name]
         assert isinstance(spec, DerivedSpec)
         sources = [_derive(source, specs, values, batch, formed) for source in spec.sources]
+        if not isinstance(spec.compute, BuiltOnRead):
+            sources = [built(source) for source in sources]
         values[name] = with_formed(spec.compute(sources, batch), [f.get(name) for f in formed])
     return values[name]
+
+
+def built(value: Value) -> Tensor:
+    """The tensor of a value, building it if it is built on read."""
+    return value.build() if isinstance(value, LazyAttention) else value
 
 
 def join_chunks(name: str, chunks: Sequence[Chunk], length: int) -> Tensor:
@@ -89,10 +100,14 @@ def join_chunks(name: str, chunks: Sequence[Chunk], length: int) -> Tensor:
     ordered = sorted(chunks, key=lambda chunk: chunk.first_position)
     position = 0
     for chunk in ordered:
-        if chunk.first_position != position:
+        if chunk.first_position < position:
+            raise RuntimeError(
+                f"{name}: position {chunk.first_position} of this request was captured twice"
+            )
+        if chunk.first_position > position:
             raise RuntimeError(
                 f"{name}: positions {position}..{chunk.first_position - 1} were never computed by "
-                f"vLLM for this request (was prefix caching turned on?)"
+                f"vLLM for this request, so they have no value"
             )
         position += chunk.value.shape[0]
     if position != length:
@@ -127,21 +142,78 @@ def pad_batch(values: Sequence[Tensor]) -> Tensor:
     return batch
 
 
+class LazyValues(MutableMapping[str, Tensor]):
+    """A cache's values by name, where some (attention scores and patterns) are built the first
+    time they are read and kept from then on. Membership, length and iteration over names
+    build nothing."""
+
+    def __init__(self, values: dict[str, Value]) -> None:
+        self._values = values
+
+    def __getitem__(self, name: str) -> Tensor:
+        value = self._values[name]
+        if isinstance(value, LazyAttention):
+            value = self._values[name] = value.build()
+        return value
+
+    def __setitem__(self, name: str, value: Tensor) -> None:
+        self._values[name] = value
+
+    def __delitem__(self, name: str) -> None:
+        del self._values[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._values
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        waiting = sum(isinstance(value, LazyAttention) for value in self._values.values())
+        return f"LazyValues({len(self._values)} names, {waiting} not built yet)"
+
+    def unbuilt(self, name: str) -> LazyAttention | None:
+        """``name``'s value if it is still to be built, else None."""
+        value = self._values[name]
+        return value if isinstance(value, LazyAttention) else None
+
+    def mapped(
+        self, tensor: Callable[[Tensor], Tensor], lazy: Callable[[LazyAttention], LazyAttention]
+    ) -> LazyValues:
+        """Every value transformed, built ones by ``tensor``, the others by ``lazy`` (so that they
+        stay unbuilt)."""
+        return LazyValues(
+            {
+                name: lazy(value) if isinstance(value, LazyAttention) else tensor(value)
+                for name, value in self._values.items()
+            }
+        )
+
+
 class VLensCache(ActivationCache):
     """TransformerLens's ``ActivationCache`` over a padded batch of vLLM requests.
 
     Indexing takes canonical names, TransformerLens 4 bridge names and short forms
     (``cache["resid_post", 3]``); a name that is not cached raises an error naming the near ones.
+    Attention scores and patterns are built when first read (``cache[name]``, ``.items()``, ...);
+    ``to``, ``remove_batch_dim`` and ``apply_slice_to_batch_dim`` leave them unbuilt, and
+    :meth:`unpadded` builds one request's alone.
     """
+
+    cache_dict: LazyValues
 
     def __init__(
         self,
-        cache_dict: dict[str, Tensor],
+        cache_dict: LazyValues,
         model: Any,
         lengths: Int[Tensor, "batch"],
         shapes: dict[str, str],
+        has_batch_dim: bool = True,
     ):
-        super().__init__(cache_dict, model, has_batch_dim=True)
+        super().__init__(cache_dict, model, has_batch_dim=has_batch_dim)  # type: ignore[arg-type]
         self.lengths = lengths
         self.shapes = shapes
         self.sampled_lengths = torch.zeros_like(lengths)  # tokens sampled per prompt
@@ -149,8 +221,12 @@ class VLensCache(ActivationCache):
 
     def unpadded(self, name: str, index: int) -> Tensor:
         """Request ``index``'s value of ``name`` without padding on any position axis."""
-        value = self[name][index]
-        for axis, word in enumerate(self.shapes[canonical(name, self.shapes)].split()):
+        key = self._resolve(name)
+        unbuilt = self.cache_dict.unbuilt(key)
+        if unbuilt is not None:
+            return unbuilt.build_request(index)
+        value = self.cache_dict[key][index]
+        for axis, word in enumerate(self.shapes[key].split()):
             if word == "new_pos":
                 value = value.narrow(axis, 0, int(self.sampled_lengths[index]))
             elif word.endswith("pos"):
@@ -164,30 +240,80 @@ class VLensCache(ActivationCache):
         return positions[None, :] < self.lengths[:, None]
 
     def __getitem__(self, key: Any) -> Tensor:
-        names = self.cache_dict.keys()
-        if isinstance(key, str):
-            if key in names:
-                return self.cache_dict[key]
-            spellings = [key, short_form((key,))]  # "pos_embed" → "hook_pos_embed"
-        else:
-            spellings = [short_form(_absolute_layer(key, self.model))]
-        for name in spellings:
-            try:
-                return self.cache_dict[canonical(name, names, "this cache")]
-            except UnknownHookName:
-                continue
-        raise UnknownHookName(spellings[0], names, "this cache")
+        return self.cache_dict[self._resolve(key)]
 
     def __contains__(self, key: object) -> bool:
-        """Whether ``cache[key]`` finds a value, under any spelling ``__getitem__`` takes."""
+        """Whether ``cache[key]`` finds a value, under any spelling ``__getitem__`` takes (without
+        building it)."""
         try:
-            self[key]
+            self._resolve(key)
         except KeyError:
             return False
         return True
 
     def __repr__(self) -> str:
         return f"VLensCache(batch={len(self.lengths)}, names={len(self.cache_dict)})"
+
+    def _resolve(self, key: Any) -> str:
+        """The cached name that ``key`` spells."""
+        names = self.cache_dict.keys()
+        if isinstance(key, str):
+            if key in names:
+                return key
+            spellings = [key, short_form((key,))]  # "pos_embed" → "hook_pos_embed"
+        else:
+            spellings = [short_form(_absolute_layer(key, self.model))]
+        for name in spellings:
+            try:
+                return canonical(name, names, "this cache")
+            except UnknownHookName:
+                continue
+        raise UnknownHookName(spellings[0], names, "this cache")
+
+    # ---- TransformerLens's methods that would otherwise build every value --------------------
+
+    def _batch_size(self) -> int:
+        return len(self.lengths)
+
+    def to(self, device: str | torch.device) -> VLensCache:
+        """Move the cache to ``device`` (values not built yet are built there when read)."""
+        self.cache_dict = self.cache_dict.mapped(
+            lambda value: value.to(device), lambda lazy: lazy.to(device)
+        )
+        return self
+
+    def remove_batch_dim(self, batch_size: int | None = None) -> VLensCache:
+        if not self.has_batch_dim:
+            super().remove_batch_dim(batch_size)  # TransformerLens's warning
+            return self
+        size = self._batch_size() if batch_size is None else batch_size
+        assert size == 1, f"Cannot remove batch dimension from cache with batch size {size}"
+        self.cache_dict = self.cache_dict.mapped(
+            lambda value: value[0] if value.ndim > 0 and value.size(0) == 1 else value,
+            lambda lazy: lazy.select(torch.tensor(0)),
+        )
+        self.has_batch_dim = False
+        return self
+
+    def apply_slice_to_batch_dim(self, batch_slice: Slice | SliceInput) -> VLensCache:
+        """The requests ``batch_slice`` picks (an int removes the batch axis), as a new cache."""
+        if not isinstance(batch_slice, Slice):
+            batch_slice = Slice(batch_slice)
+        assert self.has_batch_dim, "Cannot index into a cache without a batch dim"
+        size = self._batch_size()
+        picked = batch_slice.apply(torch.arange(size), dim=0)
+
+        def sliced(value: Tensor) -> Tensor:
+            batched = value.ndim > 0 and value.size(0) == size
+            return batch_slice.apply(value, dim=0) if batched else value
+
+        values = self.cache_dict.mapped(sliced, lambda lazy: lazy.select(picked))
+        rows = picked.reshape(-1)
+        still_batched = batch_slice.mode != "int"
+        cache = VLensCache(values, self.model, self.lengths[rows], self.shapes, still_batched)
+        cache.sampled_lengths = self.sampled_lengths[rows]
+        cache.tokens = None if self.tokens is None else self.tokens[rows]
+        return cache
 
 
 def _absolute_layer(key: tuple, model: Any) -> tuple:

@@ -15,17 +15,17 @@ from vlens.activation_store import (
     DTYPES,
     StoreError,
     count_prompts,
+    fill_store,
     open_store,
     read_prompts,
     resolve_names,
-    write_activations,
 )
 from vlens.hooked import HookedVLLM
 from vlens.lens import format_lens, logit_lens, plot_lens, require_matplotlib
 from vlens.mapping import Spec
 from vlens.mappings import mapping_for
 from vlens.names import UnknownHookName
-from vlens.weights import CheckpointWeights
+from vlens.store_manifest import verify_report
 
 DEFAULT_PROMPT = "The capital of France is"
 
@@ -36,12 +36,15 @@ def model_folder(name: str | None) -> Path:
         from vlens.embedded import smollm2_path
 
         return smollm2_path()
-    from vlens.testing import CONFIG_BUILDERS, tiny_model
+    from vlens.testing import ARCHS, tiny_model
 
-    if name in CONFIG_BUILDERS:
+    if name in ARCHS:
         return tiny_model(name)
     if not Path(name).is_dir():
-        raise SystemExit(f"vlens: {name!r} is neither a checkpoint folder nor a tiny model name")
+        raise SystemExit(
+            f"vlens: {name!r} is neither a checkpoint folder nor a tiny model name "
+            f"({', '.join(ARCHS)})"
+        )
     return Path(name)
 
 
@@ -71,7 +74,7 @@ def lens_command(args: argparse.Namespace) -> None:
     folder = model_folder(args.model)
     context = min(1024, AutoConfig.from_pretrained(folder).max_position_embeddings)  # KV memory
     model = HookedVLLM.from_pretrained(folder, dtype="float32", max_model_len=context)
-    view = logit_lens(model, args.prompt, CheckpointWeights(folder))
+    view = logit_lens(model, args.prompt)
     print(f"Logit lens of {args.prompt!r}: the top next token at each layer (rows) and position")
     print(format_lens(view))
     print(f"\nThe model's prediction after the last token: {view.top_tokens[-1][-1]!r}")
@@ -80,32 +83,52 @@ def lens_command(args: argparse.Namespace) -> None:
         print(f"Plot written to {args.plot}")
 
 
-def cache_command(args: argparse.Namespace) -> None:
+def cache_command(args: argparse.Namespace) -> int | None:
+    _require_cache_arguments(args)
+    if args.verify:
+        lines, passed = verify_report(args.verify)
+        print("\n".join(lines))
+        return 0 if passed else 1
     folder = model_folder(args.model)
     if not args.prompts.is_file():
         raise SystemExit(f"vlens cache: no prompt file at {args.prompts}")
-    # Bad names and a store made with other settings are reported before the engine loads.
+    # Bad names, a store made with other settings and a folder that cannot be written are
+    # reported before the engine loads.
     names = resolve_names(args.names, hook_specs(folder))
-    store = open_store(args.out, folder, names, args.dtype, args.max_new_tokens)
+    store = open_store(args.out, folder, names, args.dtype, args.max_new_tokens, progress=True)
     total = count_prompts(args.prompts)
     print(f"{len(names)} names, {total} prompts, {store.stored_prompts} already in {args.out}")
-    if store.stored_prompts >= total:
-        return
+    for index, problem in sorted(store.damaged.items()):
+        file = store.manifest["shards"][index]["file"]
+        print(f"{file} fails its check ({problem}): rewriting it")
+    if store.stored_prompts >= total and not store.damaged:
+        return None
     model = HookedVLLM.from_pretrained(folder, dtype=args.dtype)
-    store = write_activations(
+    store = fill_store(
         model,
+        store,
         read_prompts(args.prompts),
-        names,
-        args.out,
         batch_size=args.batch_size,
         shard_tokens=args.shard_tokens,
-        dtype=args.dtype,
-        max_new_tokens=args.max_new_tokens,
         total=total,
     )
     shards = store.manifest["shards"] if store.manifest else []
     rows = sum(shard["rows"] for shard in shards)
     print(f"{store.stored_prompts} prompts, {rows} rows in {len(shards)} shards: {args.out}")
+    return None
+
+
+def _require_cache_arguments(args: argparse.Namespace) -> None:
+    """``--verify DIR`` alone, or a model with --prompts, --names and --out (argparse cannot say
+    "required unless")."""
+    writing = {"model": args.model, "--prompts": args.prompts, "--names": args.names,
+               "--out": args.out}
+    if args.verify and any(writing.values()):
+        args.usage_error("--verify DIR checks a store and takes no other arguments")
+    missing = [name for name, value in writing.items() if not value]
+    if not args.verify and missing:
+        args.usage_error(f"the following arguments are required: {', '.join(missing)} "
+                         f"(or --verify DIR alone)")
 
 
 def parity_command(args: argparse.Namespace) -> int:
@@ -137,15 +160,19 @@ def parser() -> argparse.ArgumentParser:
     lens.set_defaults(run=lens_command)
 
     cache = commands.add_parser(
-        "cache", help="store activations of a prompt file, one row per token, as safetensors shards"
+        "cache",
+        help="store activations of a prompt file, one row per token, as safetensors shards",
+        usage="%(prog)s MODEL --prompts FILE --names PATTERN [PATTERN ...] --out DIR [options]\n"
+              "       %(prog)s --verify DIR",
     )
-    cache.add_argument("model", help="checkpoint folder or tiny model name")
-    cache.add_argument("--prompts", type=Path, required=True, metavar="FILE",
+    cache.add_argument("model", nargs="?", help="checkpoint folder or tiny model name")
+    cache.add_argument("--prompts", type=Path, metavar="FILE",
                        help='one text per line, or .jsonl with a "text" or "tokens" field per line')
-    cache.add_argument("--names", nargs="+", required=True, metavar="PATTERN",
+    cache.add_argument("--names", nargs="+", metavar="PATTERN",
                        help="hook names or globs, e.g. 'blocks.*.hook_resid_post'")
-    cache.add_argument("--out", type=Path, required=True, metavar="DIR",
-                       help="store folder; an interrupted run there resumes")
+    cache.add_argument("--out", type=Path, metavar="DIR",
+                       help="store folder; an interrupted run there resumes, and rewrites the "
+                       "shards that fail their check")
     cache.add_argument("--batch-size", type=int, default=32, metavar="N",
                        help="prompts per vLLM call (default: 32)")
     cache.add_argument("--shard-tokens", type=int, default=65536, metavar="N",
@@ -154,7 +181,10 @@ def parser() -> argparse.ArgumentParser:
                        help="the engine's and the stored floats' dtype (default: float32)")
     cache.add_argument("--max-new-tokens", type=int, default=0, metavar="N",
                        help="also store N-1 greedily generated positions per prompt (default: 0)")
-    cache.set_defaults(run=cache_command)
+    cache.add_argument("--verify", type=Path, metavar="DIR",
+                       help="only check the store in DIR (each shard's size and sha256) and "
+                       "report; exit 1 when a shard fails its check")
+    cache.set_defaults(run=cache_command, usage_error=cache.error)
 
     parity = commands.add_parser(
         "parity", help="parity tables against HuggingFace and TransformerLens"

@@ -2,7 +2,9 @@
 
 vLLM never forms attention scores, and per-head results need ``W_O``, which vLLM's CPU backend
 repacks away. These names are computed from other names (their *sources*, captured like any name)
-over the padded batch ``[batch, pos, ...]``, with checkpoint weights where needed.
+over the padded batch ``[batch, pos, ...]``, with checkpoint weights where needed. Attention scores
+and patterns, which grow with the square of the prompt, are built only when read
+(:mod:`vlens.lazy_patterns`).
 
 Where hook functions made the worker form one of them for some requests (attention computed
 explicitly at a hooked layer, :mod:`vlens.runtime.attention`), those requests' values are the
@@ -21,7 +23,12 @@ from einops import einsum, rearrange, repeat
 from jaxtyping import Int, Bool, Float
 from torch import Tensor
 
+from vlens.lazy_patterns import LazyAttention
 from vlens.weights import CheckpointWeights
+
+#: What a derived name's computation gives: a tensor, or (:class:`BuiltOnRead`) a value built when
+#: it is read.
+Value = Tensor | LazyAttention
 
 
 @dataclass(frozen=True)
@@ -31,6 +38,7 @@ class Batch:
     mask: Bool[Tensor, "batch pos"]
     weights: WeightsOn
     sampled: Int[Tensor, "batch new_pos"]  # each request's sampled tokens, zero-padded
+    lengths: tuple[int, ...]  # each request's real positions (``mask``'s rows, as host ints)
 
 
 @dataclass(frozen=True)
@@ -48,7 +56,7 @@ class WeightsOn:
 
 
 class Compute(Protocol):
-    def __call__(self, sources: list[Tensor], batch: Batch) -> Tensor: ...
+    def __call__(self, sources: list[Value], batch: Batch) -> Value: ...
 
     def for_layer(self, layer: int) -> Compute: ...
 
@@ -68,33 +76,33 @@ class SampledTokens(SameForEveryLayer):
         return batch.sampled
 
 
+class BuiltOnRead(SameForEveryLayer):
+    """A computation whose value grows with the square of the prompt: it returns a
+    :class:`~vlens.lazy_patterns.LazyAttention`, which the cache builds when the name is read."""
+
+
 @dataclass(frozen=True)
-class AttentionScores(SameForEveryLayer):
+class AttentionScores(BuiltOnRead):
     """``q·kᵀ · scale`` per head, causal and padding positions at -inf (TransformerLens's
     ``hook_attn_scores``). Sources: rotated q ``[b, q, H, d]`` and k ``[b, k, Hkv, d]``; grouped
     key heads are shared by ``H / Hkv`` consecutive query heads."""
 
     scale: float
 
-    def __call__(self, sources: list[Tensor], batch: Batch) -> Float[Tensor, "b head q k"]:
+    def __call__(self, sources: list[Tensor], batch: Batch) -> LazyAttention:
         q, k = sources
-        group = q.shape[2] // k.shape[2]
-        k = repeat(k, "b k kv d -> b k (kv group) d", group=group)
-        scores = einsum(q.float(), k.float(), "b q h d, b k h d -> b h q k") * self.scale
-        n = q.shape[1]
-        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-        visible = causal[None, None] & batch.mask[:, None, None, :]
-        return scores.masked_fill(~visible, float("-inf")).to(q.dtype)
+        return LazyAttention(
+            "scores", q, k, self.scale, batch.lengths, (None,) * len(batch.lengths)
+        )
 
 
 @dataclass(frozen=True)
-class Softmax(SameForEveryLayer):
+class Softmax(BuiltOnRead):
     """The attention pattern from the scores; rows of padding positions are all zero."""
 
-    def __call__(self, sources: list[Tensor], batch: Batch) -> Float[Tensor, "b head q k"]:
+    def __call__(self, sources: list[LazyAttention], batch: Batch) -> LazyAttention:
         (scores,) = sources
-        pattern = scores.float().softmax(dim=-1).nan_to_num(0.0)
-        return pattern.masked_fill(~batch.mask[:, None, :, None], 0.0).to(scores.dtype)
+        return scores.softmaxed()
 
 
 @dataclass(frozen=True)
@@ -132,12 +140,14 @@ class Conv1DHeadResults:
         return einsum(z.float(), w_o.float(), "b p h d, h d m -> b p h m").to(z.dtype)
 
 
-def with_formed(value: Tensor, formed: Sequence[Tensor | None]) -> Tensor:
+def with_formed(value: Value, formed: Sequence[Tensor | None]) -> Value:
     """``value`` (``[batch, ...]``, padded) with request ``i``'s part replaced by ``formed[i]``
     where the worker formed it: TransformerLens's layout without the batch axis, covering the
     request's positions (a leading box of the padded value, e.g. ``[head, pos_i, pos_i]``)."""
     if all(part is None for part in formed):
         return value
+    if isinstance(value, LazyAttention):
+        return value.with_formed(formed)
     value = value.clone()
     for index, part in enumerate(formed):
         if part is not None:

@@ -64,12 +64,11 @@ class Engine:
             # vLLM would otherwise reuse a graph compiled before (without vlens's hooks) from
             # its on-disk cache, and the declared names would silently never be read.
             os.environ["VLLM_DISABLE_COMPILE_CACHE"] = "1"
-        if ranks > 1:
-            # Worker processes: plans and user hook functions (closures) travel to them pickled.
-            os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         if _on_cpu():
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
             user_args = {**cpu_defaults, **user_args}
+            if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:  # vLLM's legacy setting wins
+                # vLLM's CPU default reserves a share of the machine's memory for every engine.
+                user_args.setdefault("kv_cache_memory_bytes", CPU_KV_CACHE_BYTES)
             if ranks > 1:
                 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cores_per_rank(ranks))
         from vllm import LLM, envs
@@ -78,10 +77,17 @@ class Engine:
         # settings above are for this engine.
         envs.disable_envs_cache()
         ensure_expert_group()
+        args = {**engine_args(user_args, compiled=bool(graph_names)), **WORKER_EXTENSION}
         with traced_at_load(graph_names), plugins_except(FOREIGN_PLUGINS):
-            self.llm = LLM(model=model_path, **engine_args(user_args, compiled=bool(graph_names)))
+            self.llm = LLM(model=model_path, **args)
         self.compiled = bool(graph_names)
         self.tensor_parallel_size = ranks
+        #: workers in this process's own thread: arguments and results need no serialisation
+        self.in_process = ranks == 1 and in_process_core(self.llm) is not None
+        #: a call in progress (a hook function that calls the model again is refused)
+        self.running = False
+        #: why the engine cannot serve another call, once an interrupted call left it unusable
+        self.broken: str | None = None
         keep_process_state_while_others_run(self.llm)
 
     # ---- requests ----------------------------------------------------------------------------
@@ -92,6 +98,26 @@ class Engine:
         """Submit ``prompts`` together, each followed by its plan, with sampling ``params``; the
         kept values come back on ``device``. A failure in one request's hooks is raised after
         the call (the engine keeps serving)."""
+        if self.broken is not None:
+            raise RuntimeError(
+                f"this engine could not be recovered after an interrupted call ({self.broken}); "
+                "build a new one with HookedVLLM.from_pretrained"
+            )
+        if self.running:
+            raise RuntimeError(
+                "a hook function cannot call the model (the engine is in the middle of the call "
+                "that runs the hook); collect what you need in the hook (e.g. into a list, or "
+                "hook.ctx) and call the model after"
+            )
+        self.running = True
+        try:
+            return self._run(prompts, plans, params, device)
+        finally:
+            self.running = False
+
+    def _run(
+        self, prompts: list[list[int]], plans: list[RequestPlan], params: Any, device: str
+    ) -> Run:
         from vllm.inputs import TokensPrompt
 
         call = next(_call_ids)
@@ -109,6 +135,14 @@ class Engine:
                 request_params,
                 use_tqdm=False,
             )
+        except BaseException:
+            # Ctrl-C, or a hook raising KeyboardInterrupt/SystemExit, stopped vLLM mid-step: its
+            # requests would stay scheduled and the next call would never end.
+            try:
+                self.abort_unfinished()
+            except Exception as failure:  # noqa: BLE001 - the interrupt is what the user sees
+                self.broken = f"aborting its requests failed: {failure!r}"
+            raise
         finally:
             handback: Handback = self._on_driver("finish", tags, device)
         captures = [handback.captures[tag] for tag in tags]
@@ -122,6 +156,13 @@ class Engine:
             [list(completion.token_ids) for completion in completions],
             [completion.finish_reason for completion in completions],
         )
+
+    def abort_unfinished(self) -> None:
+        """Abort every request vLLM still holds, and the step it was in, so that the engine
+        serves the next call as if the interrupted one had never been submitted."""
+        engine = self.llm.llm_engine
+        engine.abort_request(list(engine.output_processor.request_states), internal=True)
+        self._on_workers("forget_interrupted_step")
 
     def watch_modules(self, prompt: list[int]) -> dict[str, ModuleRecord]:
         """vLLM's module tree, path by path, with what each module did while ``prompt`` ran
@@ -146,17 +187,19 @@ class Engine:
     def _on_workers(self, method: str, *args: Any) -> list[Any]:
         """Call ``WorkerRuntime.<method>(*args)`` on every worker; one result per rank.
 
-        Worker processes get the arguments through cloudpickle: user hook functions are often
-        closures, which vLLM's own (pickle) messages cannot carry.
+        A worker in this thread gets the arguments as they are. Worker processes get the name
+        of vlens's worker method (:class:`vlens.runtime.worker.WorkerExtension`) and the arguments
+        as bytes that vlens cloudpickles here and unpickles there (user hook functions are often
+        closures), so vLLM's own channels carry only a string and bytes and need no
+        ``VLLM_ALLOW_INSECURE_SERIALIZATION``.
         """
-        from vlens.runtime.worker import call_runtime, call_runtime_pickled
+        from vlens.runtime.worker import call_runtime
 
-        if self.tensor_parallel_size == 1:
+        if self.in_process:
             return self.llm.collective_rpc(call_runtime, args=(method, *args))
         import cloudpickle
 
-        payload = cloudpickle.dumps(args)
-        return self.llm.collective_rpc(call_runtime_pickled, args=(method, payload))
+        return self.llm.collective_rpc("vlens_call", args=(method, cloudpickle.dumps(args)))
 
     def _on_driver(self, method: str, *args: Any) -> Any:
         """Like :meth:`_on_workers`, keeping rank 0's result (every rank returns whole values)."""
@@ -168,6 +211,21 @@ def greedy(max_new_tokens: int) -> Any:
     from vllm import SamplingParams
 
     return SamplingParams(max_tokens=max(1, max_new_tokens), temperature=0.0)
+
+
+#: The KV cache of an engine on vLLM's CPU backend unless the user sets ``kv_cache_memory_bytes``
+#: (or ``VLLM_CPU_KVCACHE_SPACE``, in GiB).
+CPU_KV_CACHE_BYTES = 2**30
+
+#: The engine argument that gives every vLLM worker vlens's entry point (a method called by
+#: name, so that nothing callable crosses vLLM's channels).
+WORKER_EXTENSION = {"worker_extension_cls": "vlens.runtime.worker.WorkerExtension"}
+
+
+def in_process_core(llm: Any) -> Any:
+    """vLLM's engine core when it runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
+    else None."""
+    return getattr(llm.llm_engine.engine_core, "engine_core", None)
 
 
 #: vLLM plugins kept out of vlens's engines: TransformerLens's own vLLM bridge patches the worker
@@ -246,7 +304,7 @@ def keep_process_state_while_others_run(llm: Any) -> None:
 
     global _live_engines
     client = llm.llm_engine.engine_core
-    core = getattr(client, "engine_core", None)
+    core = in_process_core(llm)
     if core is None:  # the engine core runs in its own process: nothing shared to protect
         return
     _live_engines += 1

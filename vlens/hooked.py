@@ -18,10 +18,11 @@ from vlens.cache import VLensCache, assemble
 from vlens.compiled import CompiledNames, declare
 from vlens.derived import SampledTokens
 from vlens.engine import Engine, greedy
-from vlens.generation import GenerateMethods
+from vlens.generation import GenerateMethods, check_max_new_tokens
 from vlens.hook_registry import FwdHooks, HookRegistry, NameOrFilter
 from vlens.mapping import ArchitectureMapping, DerivedSpec, HookSpec, Site, Spec
 from vlens.mappings import mapping_for
+from vlens.memory_budget import check_cache_fits
 from vlens.model_views import ModelViews
 from vlens.model_config import ModelConfig
 from vlens.names import NamesFilter, select_names
@@ -295,13 +296,17 @@ class HookedVLLM(TokenMethods, GenerateMethods, ModelViews):
 
         On a compiled engine ``names_filter`` picks among the names declared in
         ``compiled_capture`` (None: all of them).
+
+        Attention scores and patterns (``heads × pos × pos`` per prompt) are built when first
+        read. A call whose cache would not fit in the memory available on ``device`` is refused
+        before it runs (:mod:`vlens.memory_budget`).
         """
         if incl_bwd:
             refuse_gradients("run_with_cache(incl_bwd=True)")
         check_return_type(return_type)
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, not {max_new_tokens}")
+        check_max_new_tokens(max_new_tokens, least=0)
         prompts = self.token_lists(input, prepend_bos, padding_side)
+        self._warn_if_cut_short(prompts, max_new_tokens)
         device = torch.device("cpu" if device is None else device)
         check_cache_device(device, self.engine.tensor_parallel_size)
         hooks = self._hooks_per_prompt((), prompt_hooks, len(prompts), max_new_tokens > 1)
@@ -319,6 +324,8 @@ class HookedVLLM(TokenMethods, GenerateMethods, ModelViews):
         wanted = names + ([result] if result is not None and result not in names else [])
         kept = self.planner.site_names(wanted)
         self.planner.check_graph_reads(kept, return_type)
+        build_all = not return_cache_object
+        check_cache_fits(self, prompts, max_new_tokens, wanted, kept, device, build_all)
         steers = self.planner.steering(steering, prompt_steering, len(prompts))
         plans = self.planner.plans(kept, hooks, steers, self.registry.resolve(()))
         run = self.engine.run(prompts, plans, greedy(max_new_tokens), str(device))
@@ -333,7 +340,7 @@ class HookedVLLM(TokenMethods, GenerateMethods, ModelViews):
             output = model_output(return_type, logits, cache.tokens, mask, loss_per_token)
         if remove_batch_dim:
             cache.remove_batch_dim(len(prompts))
-        return output, (cache if return_cache_object else cache.cache_dict)
+        return output, (cache if return_cache_object else dict(cache.cache_dict))
 
     def _hooks_per_prompt(
         self,

@@ -1,7 +1,9 @@
 """The logit lens: what each layer's residual stream would predict if the model stopped there.
 
-Each layer's ``hook_resid_post`` goes through the final norm (with its weight) and the unembedding,
-both read from the checkpoint, exactly as the model treats its last layer's output.
+Each layer's ``hook_resid_post`` goes through the model's own final norm (``model.ln_final``:
+RMSNorm or LayerNorm with its weight, bias and epsilon, as its mapping's weight names say) and
+unembedding (``model.W_U``, ``model.b_U``), read from the checkpoint, exactly as the model treats
+its last layer's output.
 """
 
 from __future__ import annotations
@@ -15,8 +17,6 @@ from jaxtyping import Float
 from torch import Tensor
 
 from vlens.hooked import HookedVLLM
-from vlens.readers import rms
-from vlens.weights import CheckpointWeights
 
 
 @dataclass(frozen=True)
@@ -28,14 +28,16 @@ class LensView:
     top_probs: Float[Tensor, "layer pos"]
 
 
-def logit_lens(model: HookedVLLM, prompt: str, weights: CheckpointWeights) -> LensView:
+def lens_logits(model: HookedVLLM, prompt: str) -> Float[Tensor, "layer pos d_vocab"]:
+    """Each layer's ``hook_resid_post`` through the final norm and the unembedding, in fp32."""
     names = [f"blocks.{layer}.hook_resid_post" for layer in range(model.cfg.n_layers)]
     _, cache = model.run_with_cache(prompt, names_filter=names, return_type=None)
     resid = torch.stack([cache[name][0] for name in names]).float()  # [layer, pos, d_model]
-    norm_weight = weights["model.norm.weight"].float()
-    unembed = weights["lm_head.weight" if "lm_head.weight" in weights else "model.embed_tokens.weight"]
-    normed = resid / rms(resid, model.hf_config.rms_norm_eps) * norm_weight
-    probs = (normed @ unembed.float().T).softmax(-1)
+    return model.ln_final(resid) @ model.W_U.float() + model.b_U.float()
+
+
+def logit_lens(model: HookedVLLM, prompt: str) -> LensView:
+    probs = lens_logits(model, prompt).softmax(-1)
     top_probs, top_ids = probs.max(-1)
     ids = model.token_lists(prompt)[0]
     return LensView(

@@ -270,7 +270,11 @@ def conv1d_head_results(z: str, *w_o: str, explicit: Explicit = None) -> Derived
 class ArchitectureMapping:
     """The names of one architecture: ``hook_specs(config)`` returns them with ``{layer}`` templates.
 
-    ``architectures`` are the HuggingFace class names (``config.architectures``) it serves.
+    ``architectures`` are the HuggingFace class names (``config.architectures``) it serves. A
+    mapping file (a module of the mappings package with a ``MAPPING``) is all an architecture
+    needs: the package finds it, and so do the tests, the parity harness and the names table,
+    through its ``tiny_configs`` and ``hf_recorder``. Another member of a family declares only
+    what differs (:meth:`member`).
     """
 
     architectures: tuple[str, ...]
@@ -289,9 +293,33 @@ class ArchitectureMapping:
     unavailable: Callable[[str], str | None] | None = dataclasses.field(default=None, kw_only=True)
     #: Engine arguments this architecture needs on vLLM's CPU backend, unless the user sets them.
     cpu_engine_args: Mapping[str, Any] = dataclasses.field(default_factory=dict, kw_only=True)
+    #: Its tiny random test checkpoints (:func:`vlens.testing.tiny_model`): a name → the function
+    #: building that checkpoint's transformers config.
+    tiny_configs: Mapping[str, Callable[[], Any]] = dataclasses.field(
+        default_factory=dict, kw_only=True
+    )
+    #: The module of ``vlens.parity`` (``parity/<name>.py``) whose ``record(model, recorder)``
+    #: reads HuggingFace's reference values for these architectures; None: no reference.
+    hf_recorder: str | None = dataclasses.field(default=None, kw_only=True)
+    #: Why vLLM on CUDA cannot run the tiny checkpoints as they are (the GPU parity run leaves
+    #: them out); None where it can.
+    tiny_off_cuda: str | None = dataclasses.field(default=None, kw_only=True)
 
     def expanded(self, config: Any) -> dict[str, Spec]:
         return expand_layers(self.hook_specs(config), config.num_hidden_layers)
+
+    def member(
+        self,
+        *architectures: str,
+        tiny_configs: Mapping[str, Callable[[], Any]] | None = None,
+        **differences: Any,
+    ) -> ArchitectureMapping:
+        """Another architecture of this family: this mapping for ``architectures``, with
+        ``differences`` (other fields, e.g. its own ``hook_specs``). Test checkpoints are never
+        inherited: ``tiny_configs`` are the member's own."""
+        return dataclasses.replace(
+            self, architectures=architectures, tiny_configs=dict(tiny_configs or {}), **differences
+        )
 
 
 def expand_layers(specs: dict[str, Spec], n_layers: int) -> dict[str, Spec]:

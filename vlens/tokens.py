@@ -21,13 +21,14 @@ checkpoint's own rule is one of the two (``prepend_bos=False`` for chat-template
 already carries its special tokens). The per-model default is ``cfg.default_prepend_bos``, set
 when the model is loaded, as TransformerLens's ``from_pretrained(default_prepend_bos=...)``.
 Token ids (lists, tensors, arrays) are never changed: what you pass is what the model runs.
+Anything that is not a prompt (:data:`PROMPT_FORMS`) is refused, naming what was given.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, TypeGuard
 
 import numpy as np
 import torch
@@ -41,6 +42,12 @@ if TYPE_CHECKING:
 Input = str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]] | Tensor | np.ndarray
 PaddingSide = Literal["left", "right"]
 PADDING_SIDES = ("left", "right")
+#: What every prompt-taking method accepts, for error messages.
+PROMPT_FORMS = (
+    "a str, a list of str, or token ids: an integer tensor or array of shape [pos] or "
+    "[batch, pos], a list of ints, or a list of lists of ints"
+)
+EMPTY_INPUT = f"input is empty: give {PROMPT_FORMS}"
 
 
 class NotOneTokenError(ValueError, AssertionError):
@@ -129,14 +136,11 @@ class TokenMethods:
         (see :meth:`to_tokens`), token ids (lists, tensors, arrays) unchanged. ``padding_side``
         is checked but changes no row (only where :meth:`to_tokens` puts its padding).
         Raises ``ValueError`` for an empty input, a prompt without tokens and ids outside the
-        vocabulary: each row is what the engine will run."""
+        vocabulary, and ``TypeError`` / ``ValueError`` for what is not a prompt (a dict, bytes,
+        bools, floats, a 3-D tensor, ...: :data:`PROMPT_FORMS` says what is): each row is what
+        the engine will run."""
         self._padding_side(padding_side)
-        if isinstance(input, str):
-            rows = self._encode([input], prepend_bos, padding_side, truncate)
-        elif _is_text_batch(input):
-            rows = self._encode(list(input), prepend_bos, padding_side, truncate)
-        else:
-            rows = self._id_rows(input)
+        rows = self._rows(input, prepend_bos, padding_side, truncate)
         for index, row in enumerate(rows):
             if not row:
                 raise ValueError(f"prompt {index} has no tokens")
@@ -161,11 +165,7 @@ class TokenMethods:
         too and returned unchanged, padded where rows differ in length.
         """
         side = self._padding_side(padding_side)
-        if isinstance(input, str) or _is_text_batch(input):
-            texts = [input] if isinstance(input, str) else list(input)
-            rows = self._encode(texts, prepend_bos, side, truncate)
-        else:
-            rows = self._id_rows(input)
+        rows = self._rows(input, prepend_bos, side, truncate)
         longest = max((len(row) for row in rows), default=0)
         pad = self._pad_id()
         fill = [[pad] * (longest - len(row)) for row in rows]
@@ -231,7 +231,7 @@ class TokenMethods:
         ``prepend_bos`` and ``padding_side`` apply to strings only. Beyond TransformerLens, a
         list of ids is one sequence (TransformerLens raises ``ValueError`` for it)."""
         if isinstance(input, (list, tuple)):
-            if input and all(isinstance(item, (int, np.integer)) for item in input):
+            if input and all(_is_id(item) for item in input):
                 return self._decode_each([int(item) for item in input])
             return [
                 self.to_str_tokens(item, prepend_bos, padding_side)  # type: ignore[misc]
@@ -247,7 +247,10 @@ class TokenMethods:
                 )
             ids = squeezed.tolist()
             return self._decode_each(ids if isinstance(ids, list) else [ids])
-        raise ValueError(f"Invalid input type to to_str_tokens: {type(input)}")
+        raise ValueError(
+            f"to_str_tokens takes a str, token ids (a tensor or array, a list of ints) or a list "
+            f"of those, not {_describe(input)}"
+        )
 
     def to_single_str_token(self, int_token: int) -> str:
         """The text of token ``int_token`` (a Python int: TransformerLens raises
@@ -302,23 +305,20 @@ class TokenMethods:
             rows = [row[1:] if row and row[0] in leading else row for row in rows]
         return rows
 
-    def _id_rows(self, input: Input) -> list[list[int]]:
-        """Token-id input as rows, checked against the vocabulary."""
-        if isinstance(input, np.ndarray):
-            input = torch.from_numpy(input)
-        if isinstance(input, Tensor):
-            if input.dim() not in (1, 2):
-                shape = tuple(input.shape)
-                raise ValueError(f"token ids must be [pos] or [batch, pos], not {shape}")
-            rows = input.tolist() if input.dim() == 2 else [input.tolist()]
-        elif len(input) == 0:
-            raise ValueError("input is empty: give a string, a list of strings or token ids")
-        elif all(isinstance(item, (int, np.integer)) for item in input):
-            rows = [[int(item) for item in input]]
-        else:
-            rows = [[int(token) for token in row] for row in input]  # type: ignore[union-attr]
-        if not rows:
-            raise ValueError("input is empty: give a string, a list of strings or token ids")
+    def _rows(
+        self,
+        input: Input,
+        prepend_bos: bool | None,
+        padding_side: PaddingSide | None,
+        truncate: bool,
+    ) -> list[list[int]]:
+        """Each prompt of ``input`` as token ids, unpadded: the one place where every
+        prompt-taking method reads its input (and refuses what is not a prompt)."""
+        if isinstance(input, str):
+            return self._encode([input], prepend_bos, padding_side, truncate)
+        if _is_text_batch(input):
+            return self._encode(list(input), prepend_bos, padding_side, truncate)
+        rows = _id_rows(input)
         d_vocab = self.cfg.d_vocab
         for index, row in enumerate(rows):
             if row and (max(row) >= d_vocab or min(row) < 0):
@@ -345,11 +345,105 @@ class TokenMethods:
 
 
 def _is_text_batch(input: object) -> bool:
-    if isinstance(input, (str, Tensor, np.ndarray)) or not isinstance(input, Sequence):
+    if not _is_sequence(input):
         return False
     if len(input) == 0:
-        raise ValueError("input is empty: give a string, a list of strings or token ids")
+        raise ValueError(EMPTY_INPUT)
     return all(isinstance(item, str) for item in input)
+
+
+def _id_rows(input: object) -> list[list[int]]:
+    """Token-id input (a tensor or array of shape ``[pos]`` or ``[batch, pos]``, a list of ints,
+    or a list of rows: lists of ints, 1-D tensors or arrays) as rows of Python ints.
+
+    Anything else raises ``TypeError`` (a dict, bytes, bools, floats, a number, None, strings
+    mixed with ids) or ``ValueError`` (an empty input, a tensor of another rank), naming what
+    was given and what a prompt may be."""
+    if isinstance(input, (Tensor, np.ndarray)):
+        rows = _tensor_rows(input)
+    elif not _is_sequence(input):
+        raise TypeError(f"input is {_describe(input)}, not a prompt: give {PROMPT_FORMS}")
+    elif all(_is_id(item) for item in input):
+        rows = [[int(item) for item in input]] if input else []
+    elif any(isinstance(item, str) for item in input):
+        other = next(item for item in input if not isinstance(item, str))
+        raise TypeError(
+            f"input mixes strings with {_describe(other)}: a list of prompts is all strings "
+            f"or all token ids; give {PROMPT_FORMS}"
+        )
+    else:
+        rows = [_id_row(row, f"input[{index}]") for index, row in enumerate(input)]
+    if not rows:
+        raise ValueError(EMPTY_INPUT)
+    return rows
+
+
+def _tensor_rows(input: Tensor | np.ndarray) -> list[list[int]]:
+    ids = _integer_tensor(input, "input")
+    if ids.dim() not in (1, 2):
+        raise ValueError(
+            f"input is {_describe(input)}: token ids have shape [pos] or [batch, pos]; "
+            f"give {PROMPT_FORMS}"
+        )
+    return ids.tolist() if ids.dim() == 2 else [ids.tolist()]
+
+
+def _id_row(row: object, where: str) -> list[int]:
+    """One prompt of a list of token-id prompts: a list of ints, or a 1-D tensor or array."""
+    if isinstance(row, (Tensor, np.ndarray)):
+        ids = _integer_tensor(row, where)
+        if ids.dim() != 1:
+            raise ValueError(
+                f"{where} is {_describe(row)}: each prompt of a list is one sequence of ids, "
+                f"[pos]; give {PROMPT_FORMS}"
+            )
+        return ids.tolist()
+    if _is_sequence(row) and all(_is_id(item) for item in row):
+        return [int(item) for item in row]
+    raise TypeError(f"{where} is {_describe(row)}, not token ids: give {PROMPT_FORMS}")
+
+
+def _integer_tensor(value: Tensor | np.ndarray, where: str) -> Tensor:
+    """``value`` as a tensor, if its dtype holds token ids (integers, not bools)."""
+    if isinstance(value, np.ndarray):
+        integer = value.dtype.kind in "iu"
+    else:
+        integer = not (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool)
+    if not integer:
+        raise TypeError(
+            f"{where} is {_describe(value)}: token ids are integers (e.g. torch.long); "
+            f"give {PROMPT_FORMS}"
+        )
+    return torch.from_numpy(value) if isinstance(value, np.ndarray) else value
+
+
+def _is_id(item: object) -> bool:
+    """A token id: a Python or numpy integer, not a bool (``True`` is an int to Python)."""
+    return isinstance(item, (int, np.integer)) and not isinstance(item, bool)
+
+
+def _is_sequence(value: object) -> TypeGuard[Sequence[object]]:
+    """A list-like of prompts or ids: not a str, and not bytes (which iterate as ints)."""
+    return isinstance(value, Sequence) and not isinstance(value, (str, bytes, bytearray))
+
+
+def _describe(value: object) -> str:
+    """What was given, for an error message: the type, and for tensors the dtype and shape."""
+    if isinstance(value, Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    if isinstance(value, np.ndarray):
+        return f"a {value.dtype} array of shape {value.shape}"
+    if isinstance(value, (bytes, bytearray)):
+        return f"{type(value).__name__} (decode it to a str first)"
+    if value is None or isinstance(value, bool):
+        return repr(value)
+    name = type(value).__name__
+    article = "an" if name[0] in "aeiou" else "a"
+    if _is_sequence(value):
+        odd = next((item for item in value if not _is_id(item)), None)
+        if odd is not None:
+            return f"{article} {name} holding {_describe(odd)}"
+    return f"{article} {name}"
 
 
 def is_texts(input: Input) -> bool:

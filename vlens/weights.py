@@ -76,10 +76,10 @@ class WeightNames:
     b_QKV: str | None = None
     W_O: str
     b_O: str | None = None
-    W_in: str
+    W_in: str | None = None  # None: no single one per layer (a mixture of experts)
     W_gate: str | None = None
     b_in: str | None = None
-    W_out: str
+    W_out: str | None = None
     b_out: str | None = None
     ln1_w: str
     ln1_b: str | None = None

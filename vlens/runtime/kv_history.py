@@ -30,7 +30,7 @@ class KeyValueHistory:
             raise RuntimeError(
                 f"positions {self.length}..{first_position - 1} of this request never passed "
                 f"through this layer while vlens followed it, so its attention cannot be "
-                f"computed explicitly (was prefix caching turned on?)"
+                f"computed explicitly"
             )
         end = first_position + keys.shape[0]
         self._reserve(end, keys, values)

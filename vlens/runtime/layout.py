@@ -39,8 +39,9 @@ class RequestRows:
     """Rows ``start:stop`` of this step belong to request ``tag``, from sequence position
     ``first_position`` on (the prompt's start on a whole prefill, later on a chunk or a decode).
     ``batch_index`` is the request's place among all the step's requests (its row in the
-    sampled logits). Not frozen: hundreds are made per step, and a frozen dataclass is five
-    times slower to build."""
+    sampled logits). ``samples``: whether the step samples a token for the request (see
+    :func:`mark_sampling`). Not frozen: hundreds are made per step, and a frozen dataclass is
+    five times slower to build."""
 
     tag: str
     start: int
@@ -48,6 +49,7 @@ class RequestRows:
     first_position: int
     prompt_length: int
     batch_index: int = field(default=-1, compare=False)
+    samples: bool = field(default=True, compare=False)
 
     @property
     def is_prefill(self) -> bool:
@@ -55,14 +57,29 @@ class RequestRows:
 
     def sampled_row(self) -> RequestRows | None:
         """This request's row of the step's sampled logits, positioned by the index of the token
-        it samples; None when the step samples nothing for it (an unfinished prefill chunk)."""
+        it samples; None when the step samples nothing for it (an unfinished prefill chunk, or a
+        preempted request's recomputation short of where it had stopped)."""
         generated = self.first_position + self.stop - self.start - self.prompt_length
-        if generated < 0:
+        if generated < 0 or not self.samples:
             return None
         return RequestRows(
             self.tag, self.batch_index, self.batch_index + 1, generated, self.prompt_length,
             self.batch_index,
         )
+
+
+def mark_sampling(layout: Sequence[RequestRows], furthest: dict[str, int]) -> None:
+    """Set ``samples`` on each request's rows of a step: vLLM samples a token for a request only
+    when its rows run past every position it ran before and reach the prompt's end. A request
+    preempted and recomputed from its start (vLLM's scheduler resets its computed tokens) runs
+    its earlier positions again, maybe in chunks, and samples only once back where it had
+    stopped; vLLM discards what it samples before. ``furthest`` (tag → the end of the request's
+    furthest rows so far) is brought up to date."""
+    for rows in layout:
+        end = rows.first_position + rows.stop - rows.start
+        rows.samples = end > furthest.get(rows.tag, rows.prompt_length - 1)
+        if rows.samples:
+            furthest[rows.tag] = end
 
 
 Followed = tuple[str, int] | None  # (tag, prompt length) of a request, None when untagged

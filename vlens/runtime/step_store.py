@@ -107,11 +107,15 @@ class _Layout:
         kept = np.zeros(batch + 1, dtype=bool)
         kept[list(keepers)] = True
         wanted = kept[request]
-        request, length, first, start = request[wanted], length[wanted], first[wanted], start[wanted]
-        width = int((first + length).max(initial=0))
-        source = None if wanted.all() else _row_index(start, length)
-        target = _row_index(request * width + first, length)
-        return cls(batch, width, source, target, _spans(request, first, length, batch))
+        request, first, start = request[wanted], first[wanted], start[wanted]
+        held = _still_held(request, first, length[wanted])
+        whole = wanted.all() and bool((held == length[wanted]).all())
+        rest = held > 0
+        request, held, first, start = request[rest], held[rest], first[rest], start[rest]
+        width = int((first + held).max(initial=0))
+        source = None if whole else _row_index(start, held)
+        target = _row_index(request * width + first, held)
+        return cls(batch, width, source, target, _spans(request, first, held, batch))
 
     def scatter(self, steps: Sequence[tuple[object, Tensor]], device: torch.device) -> Tensor:
         """The padded ``[batch, width, ...]`` batch of these steps' rows, on ``device``."""
@@ -132,6 +136,31 @@ class _Layout:
                 joined = joined.index_select(0, self.source.to(joined.device))
             padded.index_copy_(0, self.target.to(joined.device), joined)
         return _moved(padded.view(self.batch, self.width, *trailing), device)
+
+
+def _still_held(request: np.ndarray, first: np.ndarray, length: np.ndarray) -> np.ndarray:
+    """How many leading rows of each segment (in step order) no later segment replaces.
+
+    vLLM recomputes a preempted request from an earlier position (its start, without prefix
+    caching): a segment of a request starting at position ``p`` replaces every row of that
+    request kept before at ``p`` or after. A segment's rows are consecutive positions, so what
+    stays of it is a prefix: the rows before the earliest start of the request's later segments.
+    """
+    if len(request) == 0:
+        return length
+    # Grouped by request (ascending), each group latest step first: an exclusive running minimum
+    # of the starts is then the earliest later start. Adding ``request * bound`` keeps groups
+    # apart: every start of a group before (a higher request) lies above the group's own.
+    bound = int((first + length).max()) + 1
+    order = np.lexsort((np.arange(len(request)), request))[::-1]
+    offset = request[order] * bound
+    earliest = np.minimum.accumulate(first[order] + offset)
+    later_start = np.empty_like(earliest)
+    later_start[0] = np.iinfo(np.int64).max
+    later_start[1:] = earliest[:-1]
+    cut = np.empty_like(first)
+    cut[order] = np.minimum(later_start - offset, bound)  # ``bound``: nothing later
+    return np.clip(cut - first, 0, length)
 
 
 def _row_index(starts: np.ndarray, lengths: np.ndarray) -> Tensor:
@@ -194,3 +223,17 @@ def copy_rows(value: Tensor, selection: slice | Tensor) -> Tensor:
     if isinstance(selection, slice):
         return value[selection].clone()
     return value.index_select(0, selection)
+
+
+def add_chunk(chunks: list[Chunk], chunk: Chunk) -> None:
+    """Add one step's rows of a request to its ``chunks`` (in position order, none
+    overlapping). Rows held at ``chunk``'s positions or after are dropped first: vLLM recomputes
+    a preempted request from an earlier position, and the new rows replace the old."""
+    while chunks and chunks[-1].first_position >= chunk.first_position:
+        chunks.pop()
+    if chunks:
+        last = chunks[-1]
+        keep = chunk.first_position - last.first_position
+        if keep < len(last.value):
+            chunks[-1] = Chunk(last.first_position, last.value[:keep])
+    chunks.append(chunk)

@@ -27,7 +27,7 @@ from vlens.runtime.attention import AttentionSites, unsupported
 from vlens.runtime.batches import batched_sites, call_of, in_batches, rows_key
 from vlens.runtime.graph import GraphSites
 from vlens.runtime.hooks import run_hooks
-from vlens.runtime.layout import Followed, RequestRows, follow_steps
+from vlens.runtime.layout import Followed, RequestRows, follow_steps, mark_sampling
 from vlens.runtime.messages import (
     Chunk,
     Handback,
@@ -40,7 +40,7 @@ from vlens.runtime.messages import (
 from vlens.runtime.patches import apply_cpu_patches
 from vlens.runtime.probe import ModuleProbe
 from vlens.runtime.sites import NarrowedCall, buffers_of, install_site, read_rows
-from vlens.runtime.step_store import Segment, StepStore, copy_rows, kept_rows
+from vlens.runtime.step_store import Segment, StepStore, add_chunk, copy_rows, kept_rows
 from vlens.runtime.tensor_parallel import TensorParallel
 
 
@@ -65,6 +65,8 @@ class WorkerRuntime:
         self.batched: set[tuple[str, Site]] = set()
         self.handles: dict[Site, Any] = {}
         self.followed: dict[str, Followed] = {}
+        #: tag -> the end of the request's furthest rows so far (:func:`mark_sampling`)
+        self.furthest: dict[str, int] = {}
         self.layout: list[RequestRows] | None = None
         self.last_step: list[RequestRows] = []
         self.probe: ModuleProbe | None = None
@@ -127,6 +129,7 @@ class WorkerRuntime:
                     self.handles.pop(site).remove()
             if not self.wanted:
                 self.followed.clear()
+                self.furthest.clear()
                 self.kept.clear()
 
     def module_tree(self) -> str:
@@ -142,6 +145,14 @@ class WorkerRuntime:
         self.probe = None
         return records
 
+    def forget_interrupted_step(self) -> None:
+        """After an interrupt inside a step: drop the step's layout and any half-run model
+        output vLLM's runner kept for sampling (it would refuse the next step)."""
+        self.layout = None
+        self.step_rows.clear()
+        if getattr(self.runner, "execute_model_state", None) is not None:
+            self.runner.execute_model_state = None
+
     def clear_contexts(self) -> None:
         """Forget every ``hook.ctx`` (TransformerLens's ``reset_hooks(clear_contexts=True)``)."""
         self.contexts.clear()
@@ -150,6 +161,7 @@ class WorkerRuntime:
 
     def step_started(self) -> None:
         self.step_rows.clear()
+        mark_sampling(self.layout or (), self.furthest)
         if self.graph is not None:
             self.graph.before_step(self.layout)
 
@@ -223,7 +235,7 @@ class WorkerRuntime:
                         # so that results come back once.
                         value = read_rows(call, name.read)
                         if self.keeps and value is not None:
-                            capture.chunks[name.name].append(Chunk(own.first_position, value))
+                            add_chunk(capture.chunks[name.name], Chunk(own.first_position, value))
             except HookError as error:
                 for capture in captures:
                     capture.error, capture.cause = str(error), error.__cause__
@@ -307,8 +319,14 @@ def call_runtime(worker: Any, method: str, *args: Any) -> Any:
     return getattr(runtime_of(worker), method)(*args)
 
 
-def call_runtime_pickled(worker: Any, method: str, payload: bytes) -> Any:
-    """:func:`call_runtime` with its arguments cloudpickled (for worker processes)."""
-    import cloudpickle
+class WorkerExtension:
+    """Mixed into vLLM's worker class (the ``worker_extension_cls`` engine argument): the entry
+    point of worker processes, called by name with bytes, so that vLLM's channels never carry
+    a pickled callable."""
 
-    return call_runtime(worker, method, *cloudpickle.loads(payload))
+    def vlens_call(self, method: str, payload: bytes) -> Any:
+        """Run ``WorkerRuntime.<method>`` with the arguments vlens cloudpickled in the user's
+        process (plans, and user hook functions, which are often closures)."""
+        import cloudpickle
+
+        return call_runtime(self, method, *cloudpickle.loads(payload))
