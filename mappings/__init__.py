@@ -92,7 +92,7 @@ def nearest_served(architecture: str, candidates: list[str]) -> str:
     (the most specific one), else one vLLM implements in the same module, else the one whose
     name is closest."""
     lineage = _vllm_lineage(architecture)
-    implementations = {c: _vllm_implementation(c) for c in candidates}
+    implementations = {c: vllm_implementation(c) for c in candidates}
     for ancestor in lineage:
         for candidate, implementation in implementations.items():
             if implementation == ancestor:
@@ -115,7 +115,7 @@ def new_file_name(architecture: str) -> str:
 def vllm_support(architecture: str) -> str:
     """What vLLM's model registry says about ``architecture``: native, or only through its
     Transformers backend (``model_impl="transformers"``), or not listed."""
-    implementation = _vllm_implementation(architecture)
+    implementation = vllm_implementation(architecture)
     if implementation is None:
         return (
             f"vLLM lists no implementation of {architecture}; its Transformers backend "
@@ -132,7 +132,7 @@ def vllm_support(architecture: str) -> str:
     return f"vLLM implements {architecture} natively ({module})."
 
 
-def _vllm_implementation(architecture: str) -> tuple[str, str] | None:
+def vllm_implementation(architecture: str) -> tuple[str, str] | None:
     """The module and class vLLM's model registry builds ``architecture`` with, or None."""
     from vllm.model_executor.models.registry import ModelRegistry
 
@@ -149,7 +149,7 @@ def _vllm_lineage(architecture: str) -> list[tuple[str, str]]:
     class) pairs; just the class where its module does not import here; empty if unlisted."""
     from vllm.model_executor.models.registry import ModelRegistry
 
-    implementation = _vllm_implementation(architecture)
+    implementation = vllm_implementation(architecture)
     if implementation is None:
         return []
     try:

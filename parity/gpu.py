@@ -104,6 +104,19 @@ def auto_archs() -> list[str]:
     ]
 
 
+def engine_args_for(path: Path, model_impl: str | None) -> dict[str, Any]:
+    """The engine arguments a checkpoint's mapping needs: ``model_impl="transformers"`` where the
+    mapping names the module tree of vLLM's Transformers backend
+    (:mod:`vlens.mappings._transformers`), since a vLLM that implements the architecture natively
+    would otherwise build its own tree. ``model_impl`` (``--model-impl``), if given, wins."""
+    if model_impl is not None:
+        return {"model_impl": model_impl}
+    from vlens.mappings._transformers import DETAILS
+
+    architecture = json.loads((path / "config.json").read_text())["architectures"][0]
+    return {"model_impl": "transformers"} if architecture in DETAILS else {}
+
+
 def runner_of(model: Any) -> Any:
     return model.engine.llm.llm_engine.model_executor.driver_worker.worker.model_runner
 
@@ -254,7 +267,9 @@ def run(args: argparse.Namespace) -> int:
                         gpu_memory_utilization=args.gpu_memory_utilization,
                         kv_cache_memory_bytes=args.kv_cache_gib << 30,
                     )
-                model = HookedVLLM.from_pretrained(path, dtype=dtype, **memory)
+                engine_args = engine_args_for(path, args.model_impl)
+                entry["engine_args"] = engine_args
+                model = HookedVLLM.from_pretrained(path, dtype=dtype, **memory, **engine_args)
                 entry["runner"] = runner_label(model)
                 entry["rows"], uncovered = parity_rows(model, path, dtype)
                 entry["uncovered"] = uncovered
@@ -296,6 +311,12 @@ def summary_line(meta: dict[str, Any], entry: dict[str, Any]) -> str:
     )
 
 
+def arch_label(entry: dict[str, Any]) -> str:
+    """The architecture, with the engine arguments its run was given (``model_impl``)."""
+    extra = ", ".join(f"{k}={v}" for k, v in entry.get("engine_args", {}).items())
+    return f"{entry['arch']} ({extra})" if extra else entry["arch"]
+
+
 def worst(rows: list[dict[str, Any]], key: str, largest: bool) -> tuple[float, str]:
     pick = max if largest else min
     row = pick(rows, key=lambda r: r[key])
@@ -335,7 +356,7 @@ def report(files: list[Path], detail: tuple[str, ...] = ()) -> str:
             runner = entry.get("runner", f"env V2={meta['VLLM_USE_V2_MODEL_RUNNER']}") + label
             if "error" in entry:
                 message = entry["error"].strip().splitlines()[-1][:300]
-                errors.append(f"- {runner}, {entry['arch']}, {entry['dtype']}: `{message}`")
+                errors.append(f"- {runner}, {arch_label(entry)}, {entry['dtype']}: `{message}`")
                 continue
             rows = entry["rows"]
             for mode in dict.fromkeys(r["mode"] for r in rows):
@@ -348,7 +369,7 @@ def report(files: list[Path], detail: tuple[str, ...] = ()) -> str:
                 n_strict = sum(strict(r, dtype) for r in chosen)
                 ok = all(passes(r, dtype) for r in chosen)
                 lines.append(
-                    f"| {meta['date']} | {meta['vllm']} | {runner} | {entry['arch']} | "
+                    f"| {meta['date']} | {meta['vllm']} | {runner} | {arch_label(entry)} | "
                     f"{dtype} | {mode} | {len(chosen)} | {rel:.2e} (`{rel_name}`) | "
                     f"{cos:.7f} (`{cos_name}`) | {floor} | {n_strict}/{len(chosen)} | "
                     f"{'yes' if ok else '**NO**'} |"
@@ -401,6 +422,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-cache-gib", type=int, default=1,
                         help="fixed KV cache (skips vLLM's memory profiling, so that two runs "
                              "can share the GPU)")
+    parser.add_argument("--model-impl", choices=["auto", "vllm", "transformers"],
+                        help="vLLM's model_impl for every model (default: per model, "
+                             "\"transformers\" where its mapping names the Transformers "
+                             "backend's modules, else vLLM's own choice)")
     parser.add_argument("--report", nargs="+", type=Path, metavar="JSON",
                         help="print Markdown tables merging these JSON files, and exit")
     parser.add_argument("--detail", nargs="*", default=[], metavar="ARCH",

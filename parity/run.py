@@ -22,12 +22,23 @@ def rows_against(reference: str, mode: str, ours: list[Values], theirs: list[Val
     ]
 
 
+def skips_bridge(path: str | Path) -> bool:
+    """Whether the checkpoint's mapping says TransformerLens's bridge is no reference for it
+    (``ArchitectureMapping.no_bridge_reference``), even where the bridge boots."""
+    from transformers import AutoConfig
+
+    from vlens.mappings import mapping_for
+
+    return mapping_for(AutoConfig.from_pretrained(path)).no_bridge_reference is not None
+
+
 def run_parity(
     model: HookedVLLM, path: str | Path, texts: Sequence[str] = PROMPTS
 ) -> tuple[list[Row], list[str]]:
     """Rows against HuggingFace and TransformerLens, prefill and decode, and the names that no
     reference covered."""
     prompts = model.token_lists(list(texts))
+    with_bridge = not skips_bridge(path)
     rows: list[Row] = []
     for mode, new_tokens in (("prefill", 0), ("decode", DECODE_STEPS)):
         _, cache = model.run_with_cache(prompts, max_new_tokens=new_tokens)
@@ -39,7 +50,7 @@ def run_parity(
             values["sampler.hook_logits"] = values["unembed.hook_out"][len(prompt) - 1 :]
             values["sampler.hook_tokens"] = values["sampler.hook_logits"].argmax(-1)  # greedy
         rows += rows_against("HuggingFace", mode, ours, reference)
-        tl = transformer_lens_reference(path, sequences, list(ours[0]))
+        tl = transformer_lens_reference(path, sequences, list(ours[0])) if with_bridge else None
         if tl is not None:
             rows += rows_against("TransformerLens", mode, ours, tl)
     covered = {row.name for row in rows}

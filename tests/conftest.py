@@ -9,6 +9,7 @@ from collections.abc import Callable
 import pytest
 
 from vlens import HookedVLLM
+from vlens.beside_vllm import beside_vllm
 from vlens.testing import tiny_model
 
 
@@ -48,7 +49,10 @@ def bridge() -> Callable[[str], object]:
 
     def get(arch: str) -> object:
         if arch not in bridges:
-            booted = TransformerBridge.boot_transformers(str(tiny_model(arch)), dtype=torch.float32)
+            with beside_vllm(tiny_model(arch)):  # vLLM may have decorated HuggingFace's class
+                booted = TransformerBridge.boot_transformers(
+                    str(tiny_model(arch)), dtype=torch.float32
+                )
             booted.enable_compatibility_mode(no_processing=True)
             bridges[arch] = booted
         return bridges[arch]

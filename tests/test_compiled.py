@@ -8,7 +8,7 @@ import torch
 
 from vlens import HookedVLLM
 from vlens.steering import Steer
-from vlens.testing import tiny_model
+from vlens.testing import tiny_archs, tiny_model
 
 CAPTURED = (
     "hook_embed",
@@ -140,7 +140,7 @@ def test_sampler_names_and_hooks_still_work_outside_the_graph(compiled):
     assert all(banned not in row[len(prompt):] for row, prompt in zip(tokens, PROMPTS))
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen3", "mistral", "qwen2"])
+@pytest.mark.parametrize("arch", tiny_archs(lambda mapping: mapping.compiled_graph))
 def test_every_name_reads_the_same_traced_as_eager(hooked, arch):
     eager = hooked(arch)
     names = tuple(name for name in eager.hook_names if not name.startswith("sampler."))

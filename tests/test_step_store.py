@@ -94,3 +94,19 @@ def test_rows_read_on_a_gpu_come_back_where_asked(device):
     assert taken.values.device.type == device
     assert taken.values.is_pinned() == (device == "cpu")  # one transfer, into pinned memory
     assert taken.values.squeeze(-1).tolist() == [[1, 2], [3, 4]]
+
+
+def test_rows_past_a_request_s_end_are_left_out():
+    """With asynchronous scheduling vLLM runs one more forward for a request that has just
+    finished (on CUDA): that row is not part of the request's cache, wherever it was kept."""
+    store = StepStore()
+    store.add("x", [Segment("a", 3, 0), Segment("b", 2, 0)], rows(0, 1, 2, 3, 4))
+    store.add("x", [Segment("a", 1, 3), Segment("b", 1, 2)], rows(10, 11))  # b's is one too many
+    whole = store.take(["a", "b"], {"a": KEEP_X, "b": KEEP_X}, "cpu")["x"]
+    value = padded_batch("x", [[], []], whole, [4, 2])
+    assert value.squeeze(-1).tolist() == [[0, 1, 2, 10], [3, 4, 0, 0]]
+    hooked = [[Chunk(0, rows(0, 1, 2)), Chunk(3, rows(10))], [Chunk(0, rows(3, 4)), Chunk(2, rows(11))]]
+    value = padded_batch("x", hooked, None, [4, 2])
+    assert value.squeeze(-1).tolist() == [[0, 1, 2, 10], [3, 4, 0, 0]]
+    with pytest.raises(RuntimeError, match="captured 2 positions, expected 4"):  # short stays short
+        padded_batch("x", [[Chunk(0, rows(3, 4))]], None, [4])

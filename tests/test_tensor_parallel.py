@@ -5,12 +5,12 @@ import pytest
 import torch
 
 from vlens import HookedVLLM
-from vlens.testing import tiny_model
+from vlens.testing import tiny_archs, tiny_model
 
 TEXTS = ["Tensor parallel hooks", "run in every worker process, with the same inputs"]
 
 
-@pytest.fixture(scope="module", params=["qwen3", "llama"])
+@pytest.fixture(scope="module", params=tiny_archs(lambda mapping: mapping.tensor_parallel))
 def two_ranks(request) -> tuple[str, HookedVLLM]:
     arch = request.param
     return arch, HookedVLLM.from_pretrained(

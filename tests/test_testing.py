@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from vlens.beside_vllm import beside_vllm
 from vlens.testing import ARCHS, BOS_ID, EOS_ID, VOCAB_SIZE, tiny_model
 
 SENTENCE = "Hello world, this is a sentence about Zürich's 42 bridges!"
@@ -74,7 +75,8 @@ def test_tokenizer_round_trips(built, arch: str) -> None:
 @pytest.mark.parametrize("arch", ARCHS)
 def test_transformers_loads_and_outputs_are_not_degenerate(built, arch: str) -> None:
     folder = built(arch)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with beside_vllm(folder):  # an engine of the same architecture may have run in this process
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     assert model.config.vocab_size == VOCAB_SIZE
     assert next(model.parameters()).dtype == torch.float32
     ids = AutoTokenizer.from_pretrained(folder)(SENTENCE, return_tensors="pt").input_ids

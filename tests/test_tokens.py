@@ -17,6 +17,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
+from vlens.beside_vllm import beside_vllm
 from vlens.mappings import all_mappings, mapping_for
 from vlens.model_config import ModelConfig, default_prepend_bos_for
 from vlens.testing import ARCHS, tiny_model
@@ -59,7 +60,8 @@ class Tokens(TokenMethods):
 def boot(path: Path) -> Any:
     from transformer_lens.model_bridge.bridge import TransformerBridge
 
-    bridge = TransformerBridge.boot_transformers(str(path), device="cpu", dtype=torch.float32)
+    with beside_vllm(path):  # an engine of the same architecture may have run in this process
+        bridge = TransformerBridge.boot_transformers(str(path), device="cpu", dtype=torch.float32)
     bridge.enable_compatibility_mode(no_processing=True)
     return bridge
 

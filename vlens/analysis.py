@@ -89,6 +89,8 @@ class AnalysisWeights:
     def linear(self, field: str, layer: int | None = None) -> Tensor:
         """A linear weight as ``[in, out]`` (TransformerLens's orientation)."""
         weight = self.require(field, layer)
+        if self.names.fused_gate_up and field in ("W_gate", "W_in"):
+            weight = weight.chunk(2, dim=1 if self.names.conv1d else 0)[field == "W_in"]
         return weight if self.names.conv1d else weight.T
 
     def _qkv(self, kind: str, which: str, layer: int) -> Tensor | None:
@@ -105,6 +107,10 @@ class AnalysisWeights:
         whole = load(fused, layer)
         if whole is None:
             return None
+        if self.names.qkv_per_head:
+            pattern = "... (head three d) -> three ... (head d)"
+            parts = rearrange(whole, pattern, three=3, d=self.d_head)
+            return parts["QKV".index(which)]
         widths = [heads * self.d_head for heads in (self.n_heads, self.n_kv_heads, self.n_kv_heads)]
         return whole.split(widths, dim=-1)["QKV".index(which)]
 
@@ -153,8 +159,21 @@ class AnalysisWeights:
         if names.normalization == "LN":
             x = x - x.mean(-1, keepdim=True)
         normalized = x / (x.pow(2).mean(-1, keepdim=True) + eps).sqrt()
-        out = normalized * weight.float()
+        out = normalized * (weight.float() + names.norm_offset)
         return out if bias is None else out + bias
+
+    def output_logits(self, logits: Float[Tensor, "... d_vocab"]) -> Float[Tensor, "... d_vocab"]:
+        """``ln_final(x) @ W_U + b_U`` as the model outputs it: divided by
+        ``WeightNames.logit_divisor`` where it names one, then soft-capped."""
+        attribute = self.names.logit_divisor
+        divisor = None if attribute is None else getattr(self.config, attribute, None)
+        return self.soft_capped(logits if divisor is None else logits / divisor)
+
+    def soft_capped(self, logits: Float[Tensor, "... d_vocab"]) -> Float[Tensor, "... d_vocab"]:
+        """The logits as the model caps them (``WeightNames.logit_soft_cap``), or as they are."""
+        attribute = self.names.logit_soft_cap
+        cap = None if attribute is None else getattr(self.config, attribute, None)
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def accumulated_bias(
         self, layer: int, mlp_input: bool = False, include_mlp_biases: bool = True

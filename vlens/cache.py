@@ -96,8 +96,17 @@ def built(value: Value) -> Tensor:
 
 
 def join_chunks(name: str, chunks: Sequence[Chunk], length: int) -> Tensor:
-    """One request's rows of ``name`` for positions ``0:length``, in order, with none missing."""
-    ordered = sorted(chunks, key=lambda chunk: chunk.first_position)
+    """One request's rows of ``name`` for positions ``0:length``, in order, with none missing.
+
+    Rows past ``length`` are left out: with asynchronous scheduling (vLLM's default on CUDA)
+    vLLM runs the forward of a request's last sampled token before it learns that the request
+    has finished, and that position is not part of the request (TransformerLens's cache ends
+    at the last token fed to the model)."""
+    ordered = [
+        Chunk(chunk.first_position, chunk.value[: length - chunk.first_position])
+        for chunk in sorted(chunks, key=lambda chunk: chunk.first_position)
+        if chunk.first_position < length
+    ]
     position = 0
     for chunk in ordered:
         if chunk.first_position < position:

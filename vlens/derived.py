@@ -85,14 +85,20 @@ class BuiltOnRead(SameForEveryLayer):
 class AttentionScores(BuiltOnRead):
     """``q·kᵀ · scale`` per head, causal and padding positions at -inf (TransformerLens's
     ``hook_attn_scores``). Sources: rotated q ``[b, q, H, d]`` and k ``[b, k, Hkv, d]``; grouped
-    key heads are shared by ``H / Hkv`` consecutive query heads."""
+    key heads are shared by ``H / Hkv`` consecutive query heads. ``soft_cap``: scores become
+    ``soft_cap·tanh(scores / soft_cap)`` before masking; ``window``: a sliding window of that many
+    keys (the query's own included) — both as the layer's attention applies them, if it does."""
 
     scale: float
+    soft_cap: float | None = None
+    window: int | None = None
 
     def __call__(self, sources: list[Tensor], batch: Batch) -> LazyAttention:
         q, k = sources
+        formed = (None,) * len(batch.lengths)
         return LazyAttention(
-            "scores", q, k, self.scale, batch.lengths, (None,) * len(batch.lengths)
+            "scores", q, k, self.scale, batch.lengths, formed,
+            soft_cap=self.soft_cap, window=self.window,
         )
 
 

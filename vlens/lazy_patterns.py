@@ -8,10 +8,10 @@ time, straight into the preallocated result, so building one costs about its own
 blocks of temporaries.
 
 The arithmetic is the worker's explicit attention (:mod:`vlens.runtime.attention_math`):
-``q·kᵀ·scale`` in float32, causally masked, rounded to q's dtype, then (pattern) a float32
-softmax. Padding follows TransformerLens's layout of a padded batch: the scores of padding keys
-are -inf and padding query rows hold ``q·kᵀ`` of the padding rows of q over the real keys; a
-pattern is zero at padding keys and padding queries.
+``q·kᵀ·scale`` in float32, soft-capped and windowed where the layer is, causally masked, rounded
+to q's dtype, then (pattern) a float32 softmax. Padding follows TransformerLens's layout of a
+padded batch: the scores of padding keys are -inf and padding query rows hold ``q·kᵀ`` of the
+padding rows of q over the real keys; a pattern is zero at padding keys and padding queries.
 """
 
 from __future__ import annotations
@@ -46,6 +46,8 @@ class LazyAttention:
     for hook functions (a leading box of the request's value, ``[head, pos_i, pos_i]``): it
     replaces the rebuilt one, as :func:`vlens.derived.with_formed` does for eager names.
     Without ``batched`` the value has no batch axis (a batch of one, its axis removed).
+    ``soft_cap`` and ``window``: the layer's attention-logit soft cap and sliding window, if any
+    (:func:`~vlens.runtime.attention_math.causal_scores`).
     """
 
     stage: Stage
@@ -55,6 +57,8 @@ class LazyAttention:
     lengths: tuple[int, ...]
     formed: tuple[Tensor | None, ...]
     batched: bool = True
+    soft_cap: float | None = None
+    window: int | None = None
 
     def build(self) -> Tensor:
         """The whole value, ``[batch, head, pos, pos]`` (``[head, pos, pos]`` unbatched)."""
@@ -108,7 +112,9 @@ class LazyAttention:
             value[:, length:, :length] = 0.0
         last = length if self.stage == "pattern" else rows
         for block in query_blocks(length, last, value.shape[0]):
-            scores = causal_scores(q[block], k, self.scale, block.start).to(value.dtype)
+            scores = causal_scores(
+                q[block], k, self.scale, block.start, soft_cap=self.soft_cap, window=self.window
+            ).to(value.dtype)
             value[:, block, :length] = scores if self.stage == "scores" else softmax_pattern(scores)
         part = self.formed[index]
         if part is not None:

@@ -2,8 +2,8 @@
 
 Each layer's ``hook_resid_post`` goes through the model's own final norm (``model.ln_final``:
 RMSNorm or LayerNorm with its weight, bias and epsilon, as its mapping's weight names say) and
-unembedding (``model.W_U``, ``model.b_U``), read from the checkpoint, exactly as the model treats
-its last layer's output.
+unembedding (``model.W_U``, ``model.b_U``), read from the checkpoint, and the logits' scaling and
+soft cap where the model has them, exactly as the model treats its last layer's output.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ def lens_logits(model: HookedVLLM, prompt: str) -> Float[Tensor, "layer pos d_vo
     names = [f"blocks.{layer}.hook_resid_post" for layer in range(model.cfg.n_layers)]
     _, cache = model.run_with_cache(prompt, names_filter=names, return_type=None)
     resid = torch.stack([cache[name][0] for name in names]).float()  # [layer, pos, d_model]
-    return model.ln_final(resid) @ model.W_U.float() + model.b_U.float()
+    logits = model.ln_final(resid) @ model.W_U.float() + model.b_U.float()
+    return model.analysis.output_logits(logits)
 
 
 def logit_lens(model: HookedVLLM, prompt: str) -> LensView:

@@ -301,6 +301,9 @@ class ArchitectureMapping:
     #: The module of ``vlens.parity`` (``parity/<name>.py``) whose ``record(model, recorder)``
     #: reads HuggingFace's reference values for these architectures; None: no reference.
     hf_recorder: str | None = dataclasses.field(default=None, kw_only=True)
+    #: Why TransformerLens's bridge gives no reference for these architectures (the parity suite
+    #: then compares them with HuggingFace alone); None where it does.
+    no_bridge_reference: str | None = dataclasses.field(default=None, kw_only=True)
     #: Why vLLM on CUDA cannot run the tiny checkpoints as they are (the GPU parity run leaves
     #: them out); None where it can.
     tiny_off_cuda: str | None = dataclasses.field(default=None, kw_only=True)

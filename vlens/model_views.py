@@ -347,8 +347,9 @@ class ModelViews(WeightViews):
             params[f"{at}.mlp.b_out"] = _or(mlp.b_out, zeros(cfg.d_model))
             if mlp.W_gate is not None:
                 params[f"{at}.mlp.W_gate"] = mlp.W_gate
-            for name, norm in (("ln1", block.ln1), ("ln2", block.ln2)):
-                params.update(_norm_params(f"{at}.{name}", norm))
+            for name in ("ln1", "ln2"):
+                if getattr(self.analysis.names, f"{name}_w") is not None:  # OLMo-2: post-norms
+                    params.update(_norm_params(f"{at}.{name}", getattr(block, name)))
         params.update(_norm_params("ln_final", self.ln_final))
         params["unembed.W_U"] = self.W_U
         params["unembed.b_U"] = self.b_U

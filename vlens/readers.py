@@ -11,6 +11,7 @@ later name sees it. A reader without ``write`` names a value that can be read, n
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -25,7 +26,7 @@ Reader = Callable[[SiteCall], Tensor]
 
 def writable(reader: Any) -> bool:
     """Whether edits of this reader's value can be written back into the model."""
-    if isinstance(reader, (Columns, PerHead)):
+    if isinstance(reader, (Columns, PerHead, BatchOfOne)):
         return writable(reader.source)
     return hasattr(reader, "write")
 
@@ -156,14 +157,16 @@ class LogitsOf:
     """Logits at every row, from the final norm's output, through the model's own logits processor.
 
     vLLM computes logits for the sampled positions only; this applies the same ``lm_head`` (and,
-    under tensor parallelism, the same vocabulary gather) to every row.
+    under tensor parallelism, the same vocabulary gather) to every row, with its bias where it
+    has one (Phi's).
     """
 
     source: Reader
 
     def __call__(self, call: SiteCall) -> Float[Tensor, "pos d_vocab"]:
         model = call.model
-        return model.logits_processor(model.lm_head, self.source(call))
+        bias = getattr(model.lm_head, "bias", None)
+        return model.logits_processor(model.lm_head, self.source(call), bias)
 
 
 def centred(x: Float[Tensor, "... d"]) -> Float[Tensor, "... d"]:
@@ -210,3 +213,43 @@ class Squeezed:
 
     def write(self, call: SiteCall, new: Tensor) -> None:
         self.source.write(call, new.unsqueeze(self.axis))
+
+
+@dataclass(frozen=True)
+class BatchOfOne:
+    """The source, read at a module that runs on a batch of one: HuggingFace's modules inside
+    vLLM's Transformers backend see every step as ``[1, tokens, ...]`` (vLLM's own modules see
+    ``[tokens, ...]``). The call's tensors are read without that axis (views: edits still reach
+    the model), then narrowed to the request's rows as anywhere else."""
+
+    source: Reader
+
+    def __call__(self, call: SiteCall) -> Tensor:
+        return self.source(without_batch_axis(call))
+
+    def write(self, call: SiteCall, new: Tensor) -> None:
+        self.source.write(without_batch_axis(call), new)
+
+
+def without_batch_axis(call: Any) -> Any:
+    """``call`` (a dataclass holding the call's ``args``, ``kwargs`` and ``result``) with each
+    tensor in them, tuples included, indexed at 0 along its batch axis of one."""
+    return dataclasses.replace(
+        call,
+        args=_first_of_batch(call.args),
+        kwargs={key: _first_of_batch(value) for key, value in call.kwargs.items()},
+        result=_first_of_batch(call.result),
+    )
+
+
+def _first_of_batch(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return tuple(_first_of_batch(item) for item in value)
+    if isinstance(value, Tensor) and value.dim() > 1:
+        if value.shape[0] != 1:
+            raise ValueError(
+                f"a module of a batch of one was called with a {tuple(value.shape)} tensor: its "
+                f"first axis is not a batch of one, so the mapping names the wrong module"
+            )
+        return value[0]
+    return value

@@ -34,6 +34,8 @@ from transformers import (
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from vlens.beside_vllm import beside_vllm
+
 # Bump when the recipe changes, so that stale cached checkpoints are never reused.
 _RECIPE_VERSION = "v1"
 
@@ -127,6 +129,21 @@ def tiny_configs() -> dict[str, Callable[[], PretrainedConfig]]:
     return builders
 
 
+def tiny_mapping(arch: str) -> Any:
+    """The :class:`~vlens.mapping.ArchitectureMapping` that declares tiny model ``arch``."""
+    from vlens.mappings import mapping_modules
+
+    for mapping in mapping_modules().values():
+        if arch in mapping.tiny_configs:
+            return mapping
+    raise ValueError(f"unknown arch {arch!r}; choose from {tuple(tiny_configs())}")
+
+
+def tiny_archs(where: Callable[[Any], bool] = lambda mapping: True) -> tuple[str, ...]:
+    """The tiny models whose mapping satisfies ``where`` (e.g. ``lambda m: m.compiled_graph``)."""
+    return tuple(arch for arch in tiny_configs() if where(tiny_mapping(arch)))
+
+
 def architecture_of(config: PretrainedConfig) -> str:
     """The HuggingFace class a tiny config stands for: its ``architectures`` where set, else the
     causal-LM class transformers registers for its ``model_type`` (what ``save_pretrained``
@@ -182,7 +199,8 @@ def build_checkpoint(arch: str, seed: int, folder: Path, init_std: float = INIT_
     config = tiny_configs()[arch]()
     config.initializer_range = init_std
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with beside_vllm(config):  # an engine of the same architecture may have run in this process
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _jitter_constant_tensors(model)
     model.save_pretrained(folder)
     save_tokenizer(folder)

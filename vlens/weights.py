@@ -81,13 +81,28 @@ class WeightNames:
     b_in: str | None = None
     W_out: str | None = None
     b_out: str | None = None
-    ln1_w: str
+    ln1_w: str | None = None  # None: no norm before the attention (OLMo-2's post-norms)
     ln1_b: str | None = None
-    ln2_w: str
+    ln2_w: str | None = None
     ln2_b: str | None = None
     ln_final_w: str
     ln_final_b: str | None = None
     W_U: tuple[str, ...]
     b_U: str | None = None
     conv1d: bool = False
+    #: ``W_gate`` and ``W_in`` both name one fused projection whose outputs are ``[gate | up]``,
+    #: ``d_mlp`` each (Phi-3's and GLM-4's ``gate_up_proj``): ``W_gate`` is its first half.
+    fused_gate_up: bool = False
+    #: ``W_QKV``'s outputs are each head's ``[q | k | v]`` side by side instead (GPT-NeoX's
+    #: ``query_key_value``; every head has its own key and value).
+    qkv_per_head: bool = False
     optional_prefix: str | None = None
+    #: What every norm adds to its stored weight before scaling by it (Gemma's ``GemmaRMSNorm``
+    #: scales by ``1 + weight``: 1.0).
+    norm_offset: float = 0.0
+    #: The config attribute holding the logits' soft cap (``cap·tanh(logits / cap)``, Gemma 2's
+    #: ``final_logit_softcapping``), where the architecture caps them.
+    logit_soft_cap: str | None = None
+    #: The config attribute the logits are divided by, before any soft cap (Granite's
+    #: ``logits_scaling``), where the architecture scales them.
+    logit_divisor: str | None = None

@@ -1,7 +1,7 @@
 #!/bin/bash
 # Issue 11: parity and steering isolation on CUDA, in ONE device call after the carry calls.
 #
-# Here, once: bash ../shared/gpu/prepare.sh && bash tools/gpu/prepare_gpu.sh   (.gpu1 ... .gpu8)
+# Here, once: bash ../shared/gpu/prepare.sh && bash tools/gpu/prepare_gpu.sh   (.gpu1 ... .gpu9)
 # Device:     one call per .gpuK folder, each right after the last: carry [".gpuK"], command
 #             `mkdir -p /tmp/vlens-parts && cp .gpuK/* /tmp/vlens-parts/`; then, right after
 #             those (the machine keeps /tmp for 30 s only), `bash tools/gpu/gpu.sh` (~6 minutes).

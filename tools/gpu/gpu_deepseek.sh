@@ -2,7 +2,7 @@
 # DeepSeek V2/V3 (MLA + MoE) on CUDA, in bf16: the part of tools/gpu/gpu.sh that the CPU test
 # checkpoints cannot do there. vLLM 0.26 on CUDA has no MLA attention backend in fp32, and its
 # MLA prefill (FlashAttention) accepts only DeepSeek's own head dimensions, so this uses
-# tools/gpu/tiny_cuda.py's checkpoints (qk_nope 128, rope 64, v 128; built and carried in tiny.tar
+# tools/gpu/tiny_cuda.py's checkpoints (qk_nope 128, rope 64, v 128; built and carried in tiny.tar.part.NN
 # by tools/gpu/prepare_gpu.sh). Both model runners side by side; tables in $OUT/tables-ds.md.
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)

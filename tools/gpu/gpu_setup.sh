@@ -1,9 +1,9 @@
 #!/bin/bash
-# Sourced on the GPU machine by gpu.sh, gpu_deepseek.sh, gpu_graph.sh and bench.sh (this folder):
+# Sourced on the GPU machine by gpu.sh, gpu_parity.sh, gpu_deepseek.sh, gpu_graph.sh and bench.sh:
 # installs what the machine lacks and sets the environment. Expects the carry calls of
 # ../shared/gpu/README.md to have filled /tmp/vlens-parts (vLLM 0.26.0 in parts, its dependencies,
 # and what prepare_gpu.sh adds: transformer_lens and its import-time dependencies as wheels, tiny
-# checkpoints as tiny.tar).
+# checkpoints as tiny.tar.part.NN).
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 parts=/tmp/vlens-parts
 bash "$parts/install.sh" || return 1
@@ -12,8 +12,8 @@ rm -rf /tmp/vlens-pkg && mkdir -p /tmp/vlens-pkg
 cp -r "$root/vlens" /tmp/vlens-pkg/vlens
 cp -r "$root/mappings" /tmp/vlens-pkg/vlens/mappings
 cp -r "$root/parity" /tmp/vlens-pkg/vlens/parity
-if [[ -f $parts/tiny.tar && ! -d /tmp/vlens-cache/tiny ]]; then
-  mkdir -p /tmp/vlens-cache && tar xf "$parts/tiny.tar" -C /tmp/vlens-cache
+if compgen -G "$parts/tiny.tar.part.*" > /dev/null && [[ ! -d /tmp/vlens-cache/tiny ]]; then
+  mkdir -p /tmp/vlens-cache && cat "$parts"/tiny.tar.part.* | tar xf - -C /tmp/vlens-cache
 fi
 export VLENS_CACHE=/tmp/vlens-cache
 export PYTHONPATH=/tmp/vlens-pkg:/tmp/vlens-site${PYTHONPATH:+:$PYTHONPATH}

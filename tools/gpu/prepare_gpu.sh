@@ -3,16 +3,22 @@
 # folder after prepare.sh's last (.gpu8 after .gpu7) with what vlens needs on the GPU machine
 # beyond vLLM: transformer_lens 4.3 and the packages its import needs that the machine's image
 # lacks (wheels, which the parts' install.sh installs with vLLM's), and the tiny test checkpoints
-# (tiny.tar, with tiny_cuda.py's DeepSeek ones). Then carry every .gpuK folder as
+# of every architecture the mapping files declare (with tiny_cuda.py's DeepSeek ones) as one tar
+# in parts of at most 50 MiB, tiny.tar.part.NN, spread over that folder and as many more as they
+# need, so that each folder with the project stays under a call's 64 MiB. Then carry every .gpuK
+# folder as
 # ../shared/gpu/README.md says, and run tools/gpu/gpu.sh, gpu_deepseek.sh, gpu_graph.sh or
 # bench.sh in the calls right after.
 set -euo pipefail
 root=$(pwd)
 here=$(cd "$(dirname "$0")" && pwd)
-n=$(ls -d "$root"/.gpu[0-9]* | sed 's/.*\.gpu//' | sort -n | tail -1)
+folders() { ls -d "$root"/.gpu[0-9]* | sed 's/.*\.gpu//' | sort -n; }
+for k in $(folders); do  # folders this script made before (its wheels, tiny parts): remake them
+  if ls "$root/.gpu$k" | grep -qE '^(transformer_lens-|tiny\.tar)'; then rm -rf "$root/.gpu$k"; fi
+done
+n=$(folders | tail -1)
 ours="$root/.gpu$((n + 1))"
-if [[ -f $root/.gpu$n/tiny.tar ]]; then ours="$root/.gpu$n"; fi  # made before: remake it
-rm -rf "$ours" && mkdir -p "$ours"
+mkdir -p "$ours"
 stage=${VLENS_GPU_STAGE:-/tmp/vlens-gpu-stage}/extra
 mkdir -p "$stage"
 plat="--only-binary=:all: --python-version 3.12 --implementation cp \
@@ -25,5 +31,11 @@ cp "$stage"/*.whl "$ours"/
 python3 -c "from vlens.testing import ARCHS, tiny_model; [tiny_model(a) for a in ARCHS]"
 python3 "$here/tiny_cuda.py"  # DeepSeek with MLA dimensions CUDA's kernels accept
 cache=${VLENS_CACHE:-$HOME/.cache/vlens}
-tar cf "$ours/tiny.tar" -C "$cache" tiny
-du -sh "$ours"
+rm -f "$stage"/tiny.tar*
+tar cf "$stage/tiny.tar" -C "$cache" tiny
+split -b 50M -d -a 2 "$stage/tiny.tar" "$stage/tiny.tar.part."
+k=$((n + 1))
+for part in "$stage"/tiny.tar.part.*; do  # the first part joins the wheels, each other its own
+  mkdir -p "$root/.gpu$k" && cp "$part" "$root/.gpu$k/" && k=$((k + 1))
+done
+du -sh "$root"/.gpu[0-9]*

@@ -1,6 +1,7 @@
 """The arithmetic of one layer's attention, done explicitly (TransformerLens's order of operations):
-scores ``q·kᵀ·scale`` causally masked to -inf, their softmax, ``pattern·v``, and each head's output
-through ``W_O``. Pure functions of tensors, plus reading ``W_O`` off vLLM's output projection.
+scores ``q·kᵀ·scale`` (optionally soft-capped) causally masked to -inf (optionally to a sliding
+window), their softmax, ``pattern·v``, and each head's output through ``W_O``. Pure functions of
+tensors, plus reading ``W_O`` off vLLM's output projection.
 
 Grouped keys and values are shared by consecutive query heads, as vLLM and TransformerLens share
 them: query head ``h`` reads key/value head ``h // (heads / kv_heads)``.
@@ -24,14 +25,26 @@ def causal_scores(
     keys: Float[Tensor, "k kv d"],
     scale: float,
     first_position: int,
+    *,
+    soft_cap: float | None = None,
+    window: int | None = None,
 ) -> Float[Tensor, "head q k"]:
     """``q·kᵀ·scale`` in float32, with the keys after each query's own position (the query rows
-    sit at positions ``first_position`` on, the keys at ``0..k-1``) at -inf."""
+    sit at positions ``first_position`` on, the keys at ``0..k-1``) at -inf.
+
+    ``soft_cap``: the scores become ``soft_cap·tanh(scores / soft_cap)`` before masking (Gemma 2's
+    ``attn_logit_softcapping``). ``window``: each query sees only the ``window`` latest keys, its
+    own included (a sliding window: keys ``window`` or more positions back are at -inf too)."""
     k = shared_heads(keys, q.shape[1])
     scores = einsum(q.float(), k.float(), "q h d, k h d -> h q k") * scale
+    if soft_cap is not None:
+        scores = torch.tanh(scores / soft_cap) * soft_cap
     queries = torch.arange(first_position, first_position + q.shape[0], device=q.device)
-    later = torch.arange(keys.shape[0], device=q.device)[None, :] > queries[:, None]
-    return scores.masked_fill(later[None], float("-inf"))
+    keys_at = torch.arange(keys.shape[0], device=q.device)[None, :]
+    masked = keys_at > queries[:, None]
+    if window is not None:
+        masked |= keys_at <= queries[:, None] - window
+    return scores.masked_fill(masked[None], float("-inf"))
 
 
 def softmax_pattern(scores: Float[Tensor, "head q k"]) -> Float[Tensor, "head q k"]:

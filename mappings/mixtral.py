@@ -1,0 +1,66 @@
+"""Mixtral (``MixtralForCausalLM``) as vLLM builds it: Llama's decoder layer and attention
+(``llama.py``, sliding window included) with a mixture of experts as every layer's MLP, under
+vLLM's own name ``model.layers.{layer}.block_sparse_moe`` (see ``_moe.py``)::
+
+    router_logits, _ = gate(hidden)          # mlp.hook_router_logits [pos, n_routed_experts]
+    return experts(hidden, router_logits)    # hook_mlp_out: routing, every expert, the weighted sum
+
+vLLM always renormalizes the chosen experts' weights (Mixtral's config has no
+``norm_topk_prob``): softmax over the ``top_k`` best logits,
+:class:`~vlens.mappings._moe.SoftmaxTopK`.
+"""
+
+from transformers import MixtralConfig, PretrainedConfig
+
+from vlens.mapping import Spec
+from vlens.mappings import llama
+from vlens.mappings._moe import (
+    BRIDGE_ROUTING_LAYOUT,
+    ROUTING_NAMES,
+    FirstReason,
+    RoutedExpertRefusal,
+    SoftmaxTopK,
+    moe_weights,
+    with_experts,
+)
+from vlens.mappings.llama import BLOCK, LAYER, windowed_name_error
+from vlens.testing import rotary_dims
+
+MOE = f"{LAYER}.block_sparse_moe"
+
+
+def router(config: PretrainedConfig) -> SoftmaxTopK:
+    """The routing vLLM builds for ``MixtralMoE``."""
+    return SoftmaxTopK(top_k=config.num_experts_per_tok, renormalize=True)
+
+
+def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
+    return with_experts(llama.hook_specs(config), MOE, router(config))
+
+
+def tiny_config() -> PretrainedConfig:
+    """Mixtral: 4 experts of 64 (``intermediate_size``), top-2; untied unembedding; no sliding
+    window."""
+    return MixtralConfig(
+        **{**rotary_dims(), "intermediate_size": 64},
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        rms_norm_eps=1e-5,
+        sliding_window=None,
+        tie_word_embeddings=False,
+    )
+
+
+MAPPING = llama.MAPPING.member(
+    "MixtralForCausalLM",
+    hook_specs=hook_specs,
+    weights=moe_weights(llama.WEIGHTS),
+    tensor_parallel=False,
+    compiled_graph=False,
+    unavailable=FirstReason(
+        (RoutedExpertRefusal((*ROUTING_NAMES, f"{BLOCK}.hook_mlp_out")), windowed_name_error)
+    ),
+    tiny_configs={"mixtral": tiny_config},
+    hf_recorder="hf_moe",
+    no_bridge_reference=BRIDGE_ROUTING_LAYOUT,
+)

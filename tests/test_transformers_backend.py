@@ -1,0 +1,96 @@
+"""Architectures vLLM runs through its Transformers backend (``mappings/_transformers.py``):
+names from TransformerLens's adapters, reads and edits on HuggingFace's modules (a batch of one),
+HuggingFace beside the engine in one process. Parity itself is tests/test_parity.py's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+import vlens.hooked as hooked_module
+from vlens.hooked import HookedVLLM
+from vlens.mappings._transformers import Details, layout_of, transformers_backend_mapping
+from vlens.mappings import served
+from vlens.mappings.olmo3 import TINY_WINDOW
+from vlens.parity.compare import FP32_MAX_REL, PROMPTS
+from vlens.parity.reference import load_hf
+from vlens.parity.run import run_parity
+from vlens.testing import tiny_model
+
+TEXTS = ["The river ran past the old mill", "Hello world"]
+KV_CACHE = {"kv_cache_memory_bytes": 64 * 2**20}  # as the session's tiny engines
+
+
+def test_layouts_come_from_transformer_lens_adapters():
+    neox = layout_of(AutoConfig.from_pretrained(tiny_model("gpt_neox")))
+    assert (neox.base, neox.qkv, neox.o) == ("gpt_neox", "query_key_value", "dense")
+    assert neox.parallel
+    olmo2 = layout_of(AutoConfig.from_pretrained(tiny_model("olmo2")))
+    assert (olmo2.ln1, olmo2.ln2) == (None, None)
+    assert olmo2.ln1_post == "post_attention_layernorm"
+    assert olmo2.ln2_post == "post_feedforward_layernorm"
+    assert (olmo2.q_norm, olmo2.mlp_gate) == ("q_norm", "gate_proj")
+    phi = layout_of(AutoConfig.from_pretrained(tiny_model("phi")))
+    assert (phi.ln1, phi.ln2, phi.parallel) == ("input_layernorm", None, True)
+
+
+def test_zeroed_values_reach_z_in_every_request(hooked):
+    """An edit of hook_v (per-head parts of GPT-NeoX's interleaved qkv, on a batch of one) lands
+    in the model for each request of a mixed batch: z, a weighted sum of v, becomes zero."""
+    model = hooked("gpt_neox")
+
+    def zero(v, hook):
+        return torch.zeros_like(v)
+
+    with model.hooks(fwd_hooks=[("blocks.1.attn.hook_v", zero)]):
+        _, cache = model.run_with_cache(TEXTS, names_filter=["blocks.1.attn.hook_z"])
+    for i in range(len(TEXTS)):
+        z = cache.unpadded("blocks.1.attn.hook_z", i)
+        assert z.abs().max() == 0
+    _, clean = model.run_with_cache(TEXTS, names_filter=["blocks.1.attn.hook_z"])
+    assert clean.unpadded("blocks.1.attn.hook_z", 1).abs().max() > 0
+
+
+def test_hooks_on_scores_say_why_they_cannot_run(hooked):
+    model = hooked("olmo2")
+    with pytest.raises(Exception, match="Transformers backend"):
+        model.add_hook("blocks.0.attn.hook_pattern", lambda pattern, hook: pattern)
+
+
+def test_huggingface_loads_beside_an_engine_of_the_same_architecture(hooked):
+    """vLLM's backend decorates HuggingFace's own ``GPTNeoXModel`` for its compiler; the reference
+    still builds it, and computes what it computed before."""
+    engine_logits = hooked("gpt_neox")(TEXTS[0])[0].float()
+    model = load_hf(tiny_model("gpt_neox"))
+    tokens = torch.tensor([hooked("gpt_neox").token_lists([TEXTS[0]])[0]])
+    with torch.no_grad():
+        logits = model(tokens).logits[0]
+    torch.testing.assert_close(logits, engine_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_llama_forced_onto_the_backend_is_read_by_the_generic_mapping(monkeypatch):
+    """``model_impl="transformers"`` builds HuggingFace's Llama inside vLLM; the mapping derived
+    from TransformerLens's Llama adapter reads every name of it as HuggingFace and the bridge
+    compute them (vlens chooses mappings by architecture alone, hence the patch)."""
+    generic = transformers_backend_mapping("LlamaForCausalLM", details=Details(eps="rms_norm_eps"))
+    monkeypatch.setattr(hooked_module, "mapping_for", lambda config: generic)
+    path = tiny_model("llama")
+    model = HookedVLLM.from_pretrained(
+        path, dtype="float32", model_impl="transformers", **KV_CACHE
+    )
+    rows, uncovered = run_parity(model, path)
+    assert not uncovered
+    assert {row.reference for row in rows} == {"HuggingFace", "TransformerLens"}
+    failures = [row for row in rows if not row.within(FP32_MAX_REL)]
+    assert not failures, failures
+
+
+def test_windowed_olmo3_offers_no_scores_and_its_parity_prompts_pass_the_window(hooked):
+    path = tiny_model("olmo3")
+    mapping = served()["Olmo3ForCausalLM"]
+    specs = mapping.expanded(AutoConfig.from_pretrained(path))
+    assert "blocks.0.attn.hook_z" in specs and "blocks.0.attn.hook_pattern" not in specs
+    assert "sliding window" in mapping.unavailable("blocks.0.attn.hook_pattern")
+    lengths = [len(tokens) for tokens in hooked("olmo3").token_lists(list(PROMPTS))]
+    assert max(lengths) > 2 * TINY_WINDOW
