@@ -38,7 +38,7 @@ from vlens.mapping import (
     expert_weights,
     leaving,
 )
-from vlens.mappings.llama import BLOCK
+from vlens.mappings.llama import BLOCK, windowed_name_error
 from vlens.readers import Reader
 from vlens.weights import WeightNames
 
@@ -178,6 +178,39 @@ class FirstReason:
 
     def __call__(self, name: str) -> str | None:
         return next((reason for check in self.checks if (reason := check(name))), None)
+
+
+def moe_member(
+    family: ArchitectureMapping,
+    architecture: str,
+    *,
+    hook_specs: Callable[[Any], dict[str, Spec]],
+    tiny_configs: dict[str, Callable[[], Any]],
+    moe_names: tuple[str, ...] = ROUTING_NAMES,
+    is_moe_layer: Callable[[Any, int], bool] | None = None,
+) -> ArchitectureMapping:
+    """A dense family's member whose MLPs are mixtures of experts (``moe_names`` on MoE layers):
+    the family's weights without the MLP's, no tensor parallelism or graph tier yet, a routed
+    expert's names refused (and the family's windowed names), HuggingFace's reference from
+    ``parity/hf_moe.py``. With ``is_moe_layer`` only the layers it picks are MoE layers
+    (:class:`MoeLayers`); the others keep the dense MLP."""
+    differences = dict(
+        hook_specs=hook_specs,
+        weights=moe_weights(family.weights),
+        tensor_parallel=False,
+        compiled_graph=False,
+        unavailable=FirstReason(
+            (RoutedExpertRefusal((*moe_names, f"{BLOCK}.hook_mlp_out")), windowed_name_error)
+        ),
+        tiny_configs=tiny_configs,
+        hf_recorder="hf_moe",
+        no_bridge_reference=BRIDGE_ROUTING_LAYOUT,
+    )
+    if is_moe_layer is None:
+        return family.member(architecture, **differences)
+    return uneven_member(
+        family, architecture, present=MoeLayers(is_moe_layer, moe_names), **differences
+    )
 
 
 def moe_weights(weights: WeightNames) -> WeightNames:

@@ -3,35 +3,21 @@
 ReLU², ``down_proj``).
 """
 
+import dataclasses
+
 from transformers import ArceeConfig, PretrainedConfig
 
+from vlens.mappings import llama
 from vlens.mappings._transformers import Details, transformers_backend_mapping
 from vlens.testing import rotary_dims
-from vlens.weights import WeightNames
-
-LAYER = "model.layers.{layer}"
-ATTN, MLP = f"{LAYER}.self_attn", f"{LAYER}.mlp"
 
 
 def tiny_config() -> PretrainedConfig:
     return ArceeConfig(**rotary_dims(), head_dim=32, rms_norm_eps=1e-5)
 
 
-WEIGHTS = WeightNames(
-    normalization="RMS",
-    eps="rms_norm_eps",
-    W_E="model.embed_tokens.weight",
-    W_Q=f"{ATTN}.q_proj.weight",
-    W_K=f"{ATTN}.k_proj.weight",
-    W_V=f"{ATTN}.v_proj.weight",
-    W_O=f"{ATTN}.o_proj.weight",
-    W_in=f"{MLP}.up_proj.weight",
-    W_out=f"{MLP}.down_proj.weight",
-    ln1_w=f"{LAYER}.input_layernorm.weight",
-    ln2_w=f"{LAYER}.post_attention_layernorm.weight",
-    ln_final_w="model.norm.weight",
-    W_U=("lm_head.weight", "model.embed_tokens.weight"),
-)
+#: Llama's checkpoint names, without a gate (an up/down MLP).
+WEIGHTS = dataclasses.replace(llama.WEIGHTS, W_gate=None)
 
 MAPPING = transformers_backend_mapping(
     "ArceeForCausalLM",

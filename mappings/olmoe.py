@@ -21,16 +21,8 @@ from transformers import OlmoeConfig, PretrainedConfig
 
 from vlens.mapping import Spec, leaving
 from vlens.mappings import llama
-from vlens.mappings._moe import (
-    BRIDGE_ROUTING_LAYOUT,
-    ROUTING_NAMES,
-    FirstReason,
-    RoutedExpertRefusal,
-    SoftmaxTopK,
-    moe_weights,
-    with_experts,
-)
-from vlens.mappings.llama import ATTN, BLOCK, MLP, windowed_name_error
+from vlens.mappings._moe import SoftmaxTopK, moe_member, with_experts
+from vlens.mappings.llama import ATTN, BLOCK, MLP
 from vlens.testing import rotary_dims
 
 
@@ -63,16 +55,9 @@ def tiny_config() -> PretrainedConfig:
     )
 
 
-MAPPING = llama.MAPPING.member(
+MAPPING = moe_member(
+    llama.MAPPING,
     "OlmoeForCausalLM",
     hook_specs=hook_specs,
-    weights=moe_weights(llama.WEIGHTS),
-    tensor_parallel=False,
-    compiled_graph=False,
-    unavailable=FirstReason(
-        (RoutedExpertRefusal((*ROUTING_NAMES, f"{BLOCK}.hook_mlp_out")), windowed_name_error)
-    ),
     tiny_configs={"olmoe": tiny_config},
-    hf_recorder="hf_moe",
-    no_bridge_reference=BRIDGE_ROUTING_LAYOUT,
 )

@@ -21,19 +21,8 @@ from transformers import PretrainedConfig, Qwen2MoeConfig
 
 from vlens.mapping import Spec, difference, leaving
 from vlens.mappings import qwen2
-from vlens.mappings._moe import (
-    BRIDGE_ROUTING_LAYOUT,
-    ROUTING_NAMES,
-    FirstReason,
-    MoeLayers,
-    RoutedExpertRefusal,
-    SoftmaxTopK,
-    moe_weights,
-    sigmoid,
-    uneven_member,
-    with_experts,
-)
-from vlens.mappings.llama import BLOCK, MLP, windowed_name_error
+from vlens.mappings._moe import ROUTING_NAMES, SoftmaxTopK, moe_member, sigmoid, with_experts
+from vlens.mappings.llama import BLOCK, MLP
 from vlens.mappings.qwen3_moe import is_moe_layer
 from vlens.testing import rotary_dims
 
@@ -79,18 +68,11 @@ def tiny_config() -> PretrainedConfig:
     )
 
 
-MAPPING = uneven_member(
+MAPPING = moe_member(
     qwen2.MAPPING,
     "Qwen2MoeForCausalLM",
-    present=MoeLayers(is_moe_layer, MOE_NAMES),
     hook_specs=hook_specs,
-    weights=moe_weights(qwen2.MAPPING.weights),
-    tensor_parallel=False,
-    compiled_graph=False,
-    unavailable=FirstReason(
-        (RoutedExpertRefusal((*MOE_NAMES, f"{BLOCK}.hook_mlp_out")), windowed_name_error)
-    ),
     tiny_configs={"qwen2_moe": tiny_config},
-    hf_recorder="hf_moe",
-    no_bridge_reference=BRIDGE_ROUTING_LAYOUT,
+    moe_names=MOE_NAMES,
+    is_moe_layer=is_moe_layer,
 )

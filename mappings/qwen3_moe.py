@@ -16,18 +16,8 @@ from transformers import PretrainedConfig, Qwen3MoeConfig
 
 from vlens.mapping import Spec
 from vlens.mappings import qwen3
-from vlens.mappings._moe import (
-    BRIDGE_ROUTING_LAYOUT,
-    ROUTING_NAMES,
-    FirstReason,
-    MoeLayers,
-    RoutedExpertRefusal,
-    SoftmaxTopK,
-    moe_weights,
-    uneven_member,
-    with_experts,
-)
-from vlens.mappings.llama import BLOCK, MLP, windowed_name_error
+from vlens.mappings._moe import SoftmaxTopK, moe_member, with_experts
+from vlens.mappings.llama import MLP
 from vlens.testing import rotary_dims
 
 
@@ -66,18 +56,10 @@ def tiny_config() -> PretrainedConfig:
     )
 
 
-MAPPING = uneven_member(
+MAPPING = moe_member(
     qwen3.MAPPING,
     "Qwen3MoeForCausalLM",
-    present=MoeLayers(is_moe_layer, ROUTING_NAMES),
     hook_specs=hook_specs,
-    weights=moe_weights(qwen3.MAPPING.weights),
-    tensor_parallel=False,
-    compiled_graph=False,
-    unavailable=FirstReason(
-        (RoutedExpertRefusal((*ROUTING_NAMES, f"{BLOCK}.hook_mlp_out")), windowed_name_error)
-    ),
     tiny_configs={"qwen3_moe": tiny_config},
-    hf_recorder="hf_moe",
-    no_bridge_reference=BRIDGE_ROUTING_LAYOUT,
+    is_moe_layer=is_moe_layer,
 )
