@@ -37,7 +37,7 @@ rotated q and k read here already carry.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from jaxtyping import Float
@@ -66,9 +66,9 @@ from vlens.mapping import (
 )
 from vlens.locations import SiteCall
 from vlens.mappings.llama import ATTN, BLOCK, LAYER, MLP, dimensions
+from vlens.mappings.llama import WEIGHTS as LLAMA_WEIGHTS
 from vlens.readers import OutputOf, Reader
 from vlens.testing import rotary_dims
-from vlens.weights import WeightNames
 
 NOT_EXPLICIT = NoExplicitAttention(
     "Gemma's attention soft-caps its logits and/or attends over a sliding window on some layers, "
@@ -235,23 +235,13 @@ def tiny_config() -> PretrainedConfig:
     )
 
 
-WEIGHTS = WeightNames(
-    normalization="RMS",
-    eps="rms_norm_eps",
+#: Llama's checkpoint names, with Gemma's ``(1 + w)`` norms, its capped logits, and the norm before
+#: the MLP as ``ln2`` (the post-norms are not among the weight views).
+WEIGHTS = replace(
+    LLAMA_WEIGHTS,
     norm_offset=1.0,
     logit_soft_cap="final_logit_softcapping",
-    W_E="model.embed_tokens.weight",
-    W_Q=f"{ATTN}.q_proj.weight",
-    W_K=f"{ATTN}.k_proj.weight",
-    W_V=f"{ATTN}.v_proj.weight",
-    W_O=f"{ATTN}.o_proj.weight",
-    W_in=f"{MLP}.up_proj.weight",
-    W_gate=f"{MLP}.gate_proj.weight",
-    W_out=f"{MLP}.down_proj.weight",
-    ln1_w=f"{LAYER}.input_layernorm.weight",
     ln2_w=f"{LAYER}.pre_feedforward_layernorm.weight",
-    ln_final_w="model.norm.weight",
-    W_U=("lm_head.weight", "model.embed_tokens.weight"),
 )
 
 MAPPING = ArchitectureMapping(
