@@ -473,5 +473,6 @@ def transformers_backend_mapping(
         hook_specs=functools.partial(hook_specs_for, details=details),
         unavailable=windowed_name_error,
         hf_recorder="hf_transformers",
+        model_impl="transformers",
         **fields,
     )

@@ -35,6 +35,7 @@ import gc
 import json
 import os
 import platform
+import shutil
 import sys
 import time
 import traceback
@@ -45,8 +46,8 @@ from typing import Any
 import torch
 
 from vlens.parity.compare import FP32_MAX_REL, PROMPTS
-from vlens.parity.run import DECODE_STEPS, rows_against
 from vlens.parity.reference import hf_reference
+from vlens.parity.run import DECODE_STEPS, rows_against
 
 BF16_MIN_COS = 0.9999
 ISOLATION_STEPS = 8
@@ -104,17 +105,35 @@ def auto_archs() -> list[str]:
     ]
 
 
-def engine_args_for(path: Path, model_impl: str | None) -> dict[str, Any]:
-    """The engine arguments a checkpoint's mapping needs: ``model_impl="transformers"`` where the
-    mapping names the module tree of vLLM's Transformers backend
-    (:mod:`vlens.mappings._transformers`), since a vLLM that implements the architecture natively
-    would otherwise build its own tree. ``model_impl`` (``--model-impl``), if given, wins."""
-    if model_impl is not None:
-        return {"model_impl": model_impl}
-    from vlens.mappings._transformers import DETAILS
+def checkpoint_for_vllm(path: Path) -> Path:
+    """The checkpoint vLLM loads: ``path``, or, on a vLLM whose Transformers backend applies
+    only the base model's weight renamings (0.26), a copy beside it whose weights carry the names
+    of HuggingFace's modules where the checkpoint's differ (GPT-NeoX saves its head as
+    ``embed_out``, a module transformers 5 calls ``lm_head``): the same tensors under the names
+    that backend loads. HuggingFace's reference keeps reading ``path``."""
+    try:
+        from vllm.model_executor.models.transformers import base
+    except ImportError:
+        return path
+    if hasattr(base, "get_checkpoint_conversion_mapping"):  # applies the model class's renamings
+        return path
+    from safetensors import safe_open
+    from safetensors.torch import save_file
 
-    architecture = json.loads((path / "config.json").read_text())["architectures"][0]
-    return {"model_impl": "transformers"} if architecture in DETAILS else {}
+    from vlens.parity import reference
+
+    shards = sorted(path.glob("*.safetensors"))
+    saved = {key for shard in shards for key in safe_open(shard, "pt").keys()}
+    model = reference.load_hf(path)
+    tensors = {name: value.detach().clone() for name, value in model.state_dict().items()}
+    if saved <= set(tensors):
+        return path
+    copy = path.with_name(f"{path.name}-module-names")
+    shutil.copytree(path, copy, dirs_exist_ok=True)
+    for stale in [*copy.glob("*.safetensors"), *copy.glob("*.safetensors.index.json")]:
+        stale.unlink()
+    save_file(tensors, copy / "model.safetensors", metadata={"format": "pt"})
+    return copy
 
 
 def runner_of(model: Any) -> Any:
@@ -229,8 +248,11 @@ def close(model: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import vllm
+    from transformers import AutoConfig
+    from vlens.mappings import mapping_for
 
     from vlens import HookedVLLM
+    from vlens.support import model_impl_args
     from vlens.testing import ARCHS, tiny_model
 
     threads = os.environ.get("PARITY_THREADS") or max(1, (os.cpu_count() or 2) // 2)
@@ -267,9 +289,9 @@ def run(args: argparse.Namespace) -> int:
                         gpu_memory_utilization=args.gpu_memory_utilization,
                         kv_cache_memory_bytes=args.kv_cache_gib << 30,
                     )
-                engine_args = engine_args_for(path, args.model_impl)
-                entry["engine_args"] = engine_args
-                model = HookedVLLM.from_pretrained(path, dtype=dtype, **memory, **engine_args)
+                mapping = mapping_for(AutoConfig.from_pretrained(path))
+                entry["engine_args"] = model_impl_args(mapping)
+                model = HookedVLLM.from_pretrained(checkpoint_for_vllm(path), dtype=dtype, **memory)
                 entry["runner"] = runner_label(model)
                 entry["rows"], uncovered = parity_rows(model, path, dtype)
                 entry["uncovered"] = uncovered
@@ -422,10 +444,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-cache-gib", type=int, default=1,
                         help="fixed KV cache (skips vLLM's memory profiling, so that two runs "
                              "can share the GPU)")
-    parser.add_argument("--model-impl", choices=["auto", "vllm", "transformers"],
-                        help="vLLM's model_impl for every model (default: per model, "
-                             "\"transformers\" where its mapping names the Transformers "
-                             "backend's modules, else vLLM's own choice)")
     parser.add_argument("--report", nargs="+", type=Path, metavar="JSON",
                         help="print Markdown tables merging these JSON files, and exit")
     parser.add_argument("--detail", nargs="*", default=[], metavar="ARCH",

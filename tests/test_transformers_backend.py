@@ -72,13 +72,16 @@ def test_huggingface_loads_beside_an_engine_of_the_same_architecture(hooked):
 def test_llama_forced_onto_the_backend_is_read_by_the_generic_mapping(monkeypatch):
     """``model_impl="transformers"`` builds HuggingFace's Llama inside vLLM; the mapping derived
     from TransformerLens's Llama adapter reads every name of it as HuggingFace and the bridge
-    compute them (vlens chooses mappings by architecture alone, hence the patch)."""
+    compute them (vlens chooses mappings by architecture alone, hence the patch). The mapping,
+    not the user, asks for the backend."""
     generic = transformers_backend_mapping("LlamaForCausalLM", details=Details(eps="rms_norm_eps"))
     monkeypatch.setattr(hooked_module, "mapping_for", lambda config: generic)
     path = tiny_model("llama")
-    model = HookedVLLM.from_pretrained(
-        path, dtype="float32", model_impl="transformers", **KV_CACHE
-    )
+    model = HookedVLLM.from_pretrained(path, dtype="float32", **KV_CACHE)
+    assert str(model.engine.llm.llm_engine.model_config.model_impl) in {
+        "transformers",
+        "ModelImpl.TRANSFORMERS",
+    }
     rows, uncovered = run_parity(model, path)
     assert not uncovered
     assert {row.reference for row in rows} == {"HuggingFace", "TransformerLens"}
@@ -94,3 +97,18 @@ def test_windowed_olmo3_offers_no_scores_and_its_parity_prompts_pass_the_window(
     assert "sliding window" in mapping.unavailable("blocks.0.attn.hook_pattern")
     lengths = [len(tokens) for tokens in hooked("olmo3").token_lists(list(PROMPTS))]
     assert max(lengths) > 2 * TINY_WINDOW
+
+
+@pytest.mark.parametrize(
+    ("arch", "model_impl", "message"),
+    [
+        ("gpt_neox", "vllm", "names the modules of vLLM's Transformers backend"),
+        ("gpt_neox", "auto", "leave model_impl out"),
+        ("llama", "transformers", "names the modules of vLLM's own implementation"),
+    ],
+)
+def test_a_model_impl_building_another_tree_is_refused_before_loading(arch, model_impl, message):
+    """A backend whose module tree the mapping does not name would leave every name unreadable;
+    the refusal comes before vLLM starts (no engine is built here)."""
+    with pytest.raises(ValueError, match=message):
+        HookedVLLM.from_pretrained(tiny_model(arch), model_impl=model_impl)

@@ -40,7 +40,7 @@ from vlens.raw import RawLocations
 from vlens.readers import OutputOf
 from vlens.runtime.messages import HookFunction
 from vlens.steering import Steer
-from vlens.support import check_cache_device, check_loadable, refuse_gradients
+from vlens.support import check_cache_device, check_loadable, model_impl_args, refuse_gradients
 from vlens.tokens import Input, TokenMethods, prepare_tokenizer
 from vlens.weights import CheckpointWeights
 
@@ -137,6 +137,7 @@ class HookedVLLM(TokenMethods, GenerateMethods, ModelViews):
             )
         tokenizer = AutoTokenizer.from_pretrained(path)
         graph_names = compiled.graph_names if compiled else ()
+        engine_kwargs = {**model_impl_args(mapping), **engine_kwargs}
         engine = Engine(str(path), graph_names, mapping.cpu_engine_args, **engine_kwargs)
         return cls(
             engine,

@@ -291,6 +291,10 @@ class ArchitectureMapping:
     #: Why a name that looks plausible can never be given (e.g. one routed expert of a fused MoE
     #: kernel); None for names the architecture has nothing to say about.
     unavailable: Callable[[str], str | None] | None = dataclasses.field(default=None, kw_only=True)
+    #: vLLM's ``model_impl`` that builds the module tree ``hook_specs`` names: ``"transformers"``
+    #: for a mapping of vLLM's Transformers backend (HuggingFace's own modules), set for the user
+    #: (a vLLM that also implements the architecture natively would otherwise build its tree).
+    model_impl: Literal["auto", "transformers"] = dataclasses.field(default="auto", kw_only=True)
     #: Engine arguments this architecture needs on vLLM's CPU backend, unless the user sets them.
     cpu_engine_args: Mapping[str, Any] = dataclasses.field(default_factory=dict, kw_only=True)
     #: Its tiny random test checkpoints (:func:`vlens.testing.tiny_model`): a name → the function

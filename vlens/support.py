@@ -49,6 +49,7 @@ def check_loadable(
     mapping: ArchitectureMapping, architecture: str, user_args: dict[str, Any], compiled: bool
 ) -> None:
     """Refuse, before vLLM starts, an engine vlens cannot serve for this architecture."""
+    check_model_impl(mapping, architecture, user_args.get("model_impl"))
     if int(user_args.get("pipeline_parallel_size", 1)) > 1:
         raise NotImplementedError(
             "pipeline_parallel_size > 1 is not supported yet: each stage holds only its own "
@@ -74,6 +75,29 @@ def check_loadable(
             "compiled_capture / compiled_steering need tensor_parallel_size=1 for now (the "
             "traced hooks are installed in this process's worker); use an eager engine for "
             "tensor parallelism"
+        )
+
+
+def model_impl_args(mapping: ArchitectureMapping) -> dict[str, Any]:
+    """The ``model_impl`` engine argument the mapping's module tree needs (none for vLLM's own)."""
+    return {} if mapping.model_impl == "auto" else {"model_impl": mapping.model_impl}
+
+
+def check_model_impl(mapping: ArchitectureMapping, architecture: str, wanted: Any) -> None:
+    """A ``model_impl`` that would build another module tree than the one the mapping names."""
+    if wanted is None:
+        return
+    if mapping.model_impl == "transformers" and wanted != "transformers":
+        raise ValueError(
+            f"model_impl={wanted!r} is not supported for {architecture}: its mapping names the "
+            f"modules of vLLM's Transformers backend (HuggingFace's own module tree), which "
+            f'model_impl="transformers" builds; leave model_impl out (vlens sets it)'
+        )
+    if mapping.model_impl == "auto" and wanted == "transformers":
+        raise ValueError(
+            f'model_impl="transformers" is not supported for {architecture}: its mapping names '
+            f"the modules of vLLM's own implementation, and the Transformers backend builds "
+            f"HuggingFace's module tree instead; leave model_impl out"
         )
 
 
