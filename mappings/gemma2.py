@@ -38,9 +38,9 @@ rotated q and k read here already carry.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
-from jaxtyping import Float
 from torch import Tensor
 from transformers import Gemma2Config, PretrainedConfig
 
@@ -67,7 +67,7 @@ from vlens.mapping import (
 from vlens.locations import SiteCall
 from vlens.mappings.llama import ATTN, BLOCK, LAYER, MLP, dimensions
 from vlens.mappings.llama import WEIGHTS as LLAMA_WEIGHTS
-from vlens.readers import OutputOf, Reader
+from vlens.readers import LogitsOf, OutputOf
 from vlens.testing import rotary_dims
 
 NOT_EXPLICIT = NoExplicitAttention(
@@ -94,15 +94,12 @@ class ScaledOutput:
 
 
 @dataclass(frozen=True)
-class EmbeddingLogits:
+class EmbeddingLogits(LogitsOf):
     """Logits at every row through the model's logits processor with the embedding as the
     unembedding: vLLM's Gemma 2 has no ``lm_head`` (see :class:`~vlens.readers.LogitsOf`)."""
 
-    source: Reader
-
-    def __call__(self, call: SiteCall) -> Float[Tensor, "pos d_vocab"]:
-        model = call.model
-        return model.logits_processor(model.model.embed_tokens, self.source(call))
+    def unembedding(self, model: Any) -> Any:
+        return model.model.embed_tokens
 
 
 @dataclass(frozen=True)

@@ -275,7 +275,7 @@ def test_hook_point_surface_and_errors(hooked):
     seen: list[tuple[str, int, int, bool]] = []
 
     def record(value: Tensor, hook) -> None:
-        seen.append((hook.name, hook.layer(), hook.positions.tolist()[0], hook.is_prefill))
+        seen.append((hook.name, hook.layer(), hook.positions.tolist()[0][0], hook.is_prefill))
 
     model.generate(TEXT, max_new_tokens=2, do_sample=False, fwd_hooks=[(result(), record)])
     prompt = len(model.token_lists(TEXT)[0])

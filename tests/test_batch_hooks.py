@@ -285,3 +285,37 @@ def test_an_exception_in_a_batch_call_reaches_the_caller(hooked):
         model.run_with_hooks(corrupted, fwd_hooks=[("blocks.1.hook_resid_pre",
                                                     lambda x, h: x[..., :3])])
     assert model(corrupted).shape[0] == BATCH  # the engine keeps serving
+
+
+def test_prompts_of_different_lengths_decode_as_one_batch(hooked):
+    """Decode steps give every prompt one row: a shared hook runs once per step on the whole
+    call, each prompt at its own position (``hook.first_positions``, ``hook.positions``), with
+    the tokens of each prompt generated alone."""
+    model = hooked("llama")
+    texts = ["Short", "A somewhat longer prompt", "The longest prompt of the three, by far"]
+    lengths = [len(tokens) for tokens in model.token_lists(texts)]
+    vector = torch.randn(model.cfg.d_model, generator=torch.Generator().manual_seed(6)) * 3
+    seen: list[tuple] = []
+
+    def steer_late_rows(x: Tensor, hook) -> None:
+        seen.append((tuple(x.shape[:2]), hook.requests, hook.first_positions,
+                     hook.positions.tolist()))
+        x[hook.positions >= 4] += vector.to(x.device)
+
+    name = "blocks.1.hook_resid_post"
+    kwargs = dict(max_new_tokens=4, do_sample=False, stop_at_eos=False, return_type="tokens")
+    together = model.generate(texts, fwd_hooks=[(name, steer_late_rows)], **kwargs)
+    decodes = seen[len(texts):]
+    assert [entry[:2] for entry in decodes] == [((3, 1), (0, 1, 2))] * 3
+    for step, (_, _, starts, positions) in enumerate(decodes):
+        assert starts == tuple(n + step for n in lengths)
+        assert positions == [[n + step] for n in lengths]
+    alone = [model.generate(text, fwd_hooks=[(name, steer_late_rows)], **kwargs)[0]
+             for text in texts]
+    assert together == alone
+
+    def needs_one_start(x: Tensor, hook) -> None:
+        hook.first_position  # noqa: B018 - reading it is the test
+
+    with pytest.raises(HookError, match=r"different positions .* use hook.first_positions"):
+        model.generate(texts, fwd_hooks=[(name, needs_one_start)], **kwargs)

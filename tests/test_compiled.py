@@ -58,6 +58,19 @@ def test_compiled_engine_serves_its_declared_names_by_default(compiled):
     assert "sampler.hook_tokens" in cache  # read outside the graph: always there
 
 
+def test_logits_come_back_from_an_engine_that_declared_one_name(hooked, eager):
+    """The final norm's rows are traced into every compiled graph: logits without declaring
+    ``unembed.hook_out``, and the cache holds only what was declared."""
+    one = "blocks.1.hook_resid_post"
+    compiled = hooked("llama", compiled_capture=(one,))
+    logits, cache = compiled.run_with_cache(PROMPTS, max_new_tokens=2)
+    eager_logits, eager_cache = eager.run_with_cache(PROMPTS, names_filter=[one], max_new_tokens=2)
+    torch.testing.assert_close(logits, eager_logits, **TOLERANCE)
+    torch.testing.assert_close(cache[one], eager_cache[one], **TOLERANCE)
+    assert [name for name in cache.keys() if not name.startswith("sampler.")] == [one]
+    torch.testing.assert_close(compiled(PROMPTS), eager(PROMPTS), **TOLERANCE)
+
+
 def test_compiled_steering_equals_eager_steering(compiled, eager):
     steer = [
         Steer("blocks.1.hook_resid_post", add=steering_vector(eager, 0), scale=6.0,

@@ -105,7 +105,7 @@ def test_hook_point_surface_and_decode_steps(hooked):
     def record(x: Tensor, hook) -> None:
         assert hook.name == "blocks.2.hook_resid_pre" and hook.layer() == 2
         hook.ctx["calls"] = hook.ctx.get("calls", 0) + 1
-        seen.append((hook.request, hook.positions.tolist(), hook.is_prefill))
+        seen.append((hook.request, hook.positions.tolist()[0], hook.is_prefill))
 
     prompt = model.token_lists("Count the steps")[0]
     model.generate("Count the steps", max_new_tokens=4, do_sample=False,

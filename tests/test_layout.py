@@ -236,3 +236,34 @@ def test_steering_stays_in_its_request_when_rows_are_reversed(hooked, reversed_b
     together = model.generate(TEXTS, prompt_hooks=[[(name, steer)], [], []], **kwargs)
     assert orders and [int(t.split(":")[1]) for t in orders[0]] == [2, 1, 0]
     assert together == [steered, plain[1], plain[2]]
+
+
+def test_a_batch_hook_edits_each_prompt_s_rows_in_either_row_order(hooked, reversed_batches):
+    """A shared hook function at decode steps (prompts of different lengths: one batch) gives
+    each prompt of its batch its own edit; read as one span of rows where the step holds them in
+    the call's order, one by one where it does not (reversed), with the same result as the same
+    edits given per prompt."""
+    model = hooked("qwen3")
+    vector = 20 * torch.randn(model.cfg.d_model, generator=torch.Generator().manual_seed(4))
+    batches: list[tuple[int, ...]] = []
+
+    def steer_by_index(x, hook):
+        if not hook.is_prefill:
+            batches.append(hook.requests)
+        scale = torch.tensor([1.0 + i for i in hook.requests], device=x.device, dtype=x.dtype)
+        return x + scale[:, None, None] * vector.to(x.device, x.dtype)
+
+    def steer_one(index):
+        return lambda x, hook: x + (1.0 + index) * vector.to(x.device, x.dtype)
+
+    name = "blocks.1.hook_resid_post"
+    kwargs = dict(max_new_tokens=5, do_sample=False, stop_at_eos=False, return_type="tokens")
+    one_by_one = model.generate(TEXTS, prompt_hooks=[[(name, steer_one(i))] for i in range(3)],
+                                **kwargs)
+    in_order = model.generate(TEXTS, fwd_hooks=[(name, steer_by_index)], **kwargs)
+    assert batches == [(0, 1, 2)] * 4, "the decode steps did not run as one batch"
+    orders = reversed_batches(model)
+    reversed_rows = model.generate(TEXTS, fwd_hooks=[(name, steer_by_index)], **kwargs)
+    assert [int(t.split(":")[1]) for t in orders[-1]] == [2, 1, 0]
+    assert in_order == one_by_one and reversed_rows == one_by_one
+    assert one_by_one != model.generate(TEXTS, **kwargs), "the steer must change the tokens"

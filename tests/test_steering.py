@@ -64,7 +64,7 @@ def test_eager_steer_equals_the_same_hook_function(hooked):
     name = "blocks.1.hook_resid_post"
 
     def add_from_position_two(x, hook):
-        x[:, hook.positions >= 2] += vector.to(x.device)  # positions live where x does
+        x[hook.positions >= 2] += vector.to(x.device)  # [batch, pos], where x is
 
     prompts = [[4, 8, 15, 16, 23], [42, 7]]
     options = {"max_new_tokens": 6, "do_sample": False, "stop_at_eos": False,

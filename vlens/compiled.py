@@ -21,13 +21,21 @@ from vlens.runtime.graph import GraphName
 from vlens.support import EAGER
 
 
+#: The logits: traced into every compiled graph as the final norm's rows (one ``d_model`` row
+#: per position; the vocabulary-wide logits are computed after the step, for rows kept only), so
+#: that a compiled engine returns logits as an eager one does.
+LOGITS = "unembed.hook_out"
+
+
 @dataclass(frozen=True)
 class CompiledNames:
-    """What a compiled engine's graph reads (``capture``) and may change (``steering``)."""
+    """What a compiled engine's graph reads (``capture``, as declared, and ``traced``: those
+    and the logits) and may change (``steering``)."""
 
     capture: frozenset[str]
     steering: frozenset[str]
     graph_names: tuple[GraphName, ...]
+    traced: frozenset[str] = frozenset()
 
 
 def declare(
@@ -52,19 +60,26 @@ def declare(
             )
     for name in sorted(steered):
         check_steerable(name, specs[name])
+    traced = captured | logits_rows(specs)
     graph_names = tuple(
         GraphName(
             name,
             spec.site,
             spec.read,
             per_position_shape(spec, config),
-            capture=name in captured,
+            capture=name in traced,
             steer=name in steered,
         )
         for name, spec in specs.items()
-        if name in captured | steered and isinstance(spec, HookSpec)
+        if name in traced | steered and isinstance(spec, HookSpec)
     )
-    return CompiledNames(frozenset(captured), frozenset(steered), graph_names)
+    return CompiledNames(frozenset(captured), frozenset(steered), graph_names, frozenset(traced))
+
+
+def logits_rows(specs: dict[str, Spec]) -> set[str]:
+    """:data:`LOGITS`, where the graph can keep it as final-norm rows."""
+    spec = specs.get(LOGITS)
+    return {LOGITS} if isinstance(spec, HookSpec) and isinstance(spec.read, LogitsOf) else set()
 
 
 def check_steerable(name: str, spec: Spec) -> None:

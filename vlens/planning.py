@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from transformers import PretrainedConfig
 
-from vlens.compiled import CompiledNames, check_steerable, per_position_shape
+from vlens.compiled import LOGITS, CompiledNames, check_steerable, per_position_shape
 from vlens.hook_registry import HookRegistry
 from vlens.mapping import (
     AttentionStage,
@@ -29,8 +29,6 @@ from vlens.mapping import (
 from vlens.runtime.messages import AttentionPlan, HookFunction, NamePlan, RequestPlan
 from vlens.steering import Steer, as_hook_function, steers_by_name
 from vlens.support import EAGER
-
-LOGITS = "unembed.hook_out"
 
 HooksByName = dict[str, tuple[HookFunction, ...]]
 
@@ -91,7 +89,7 @@ class Planner:
         are marked shared where they are exactly the call's ``shared`` functions (no prompt
         hook or steer of this request's own among them)."""
         if self.compiled is not None:
-            graph_keep = frozenset(name for name in kept if name in self.compiled.capture)
+            graph_keep = frozenset(name for name in kept if name in self.compiled.traced)
             kept = [name for name in kept if name not in graph_keep]
         else:
             graph_keep = frozenset()
@@ -188,9 +186,12 @@ class Planner:
     # ---- a compiled engine's rules -------------------------------------------------------------
 
     def served(self, name: str) -> bool:
-        """Whether this engine can give ``name``: any name in eager mode; on a compiled engine,
-        a name traced into its graph, read outside the forward (the sampler's names), or
-        derived from such names only."""
+        """Whether ``name`` is among what a call without ``names_filter`` (or with a filter)
+        reads: any name in eager mode; on a compiled engine, a declared name traced into its
+        graph, one read outside the forward (the sampler's names), or one derived from such
+        names only. The logits, always traced, count only where declared."""
+        if self.compiled is not None and name == LOGITS:  # traced, but only read when asked for
+            return LOGITS in self.compiled.capture
         return all(self._without_forward_hooks(site) for site in self.registry.site_sources(name))
 
     def check_graph_reads(self, kept: Sequence[str], return_type: str | None) -> None:
@@ -238,7 +239,7 @@ class Planner:
         compiled one, a name traced into its graph or read after the forward (the sampler's)."""
         if self.compiled is None:
             return True
-        return name in self.compiled.capture or per_sample(self.specs[name])
+        return name in self.compiled.traced or per_sample(self.specs[name])
 
 
 def shared_names(hooks: HooksByName, shared: HooksByName) -> frozenset[str]:

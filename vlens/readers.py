@@ -164,9 +164,18 @@ class LogitsOf:
     source: Reader
 
     def __call__(self, call: SiteCall) -> Float[Tensor, "pos d_vocab"]:
-        model = call.model
-        bias = getattr(model.lm_head, "bias", None)
-        return model.logits_processor(model.lm_head, self.source(call), bias)
+        return self.logits(call.model, self.source(call))
+
+    def logits(
+        self, model: Any, rows: Float[Tensor, "pos d_model"]
+    ) -> Float[Tensor, "pos d_vocab"]:
+        """The logits of final-norm ``rows`` (also used by the graph tier, after the step)."""
+        head = self.unembedding(model)
+        return model.logits_processor(head, rows, getattr(head, "bias", None))
+
+    def unembedding(self, model: Any) -> Any:
+        """The module whose weight unembeds: vLLM's ``lm_head``."""
+        return model.lm_head
 
 
 def centred(x: Float[Tensor, "... d"]) -> Float[Tensor, "... d"]:

@@ -110,7 +110,7 @@ def as_hook_function(steer: Steer, width: int):
 
     def apply_steer(value: Tensor, hook: Any) -> None:
         rows = value.reshape(value.shape[1], -1)  # [1, pos, ...] -> [pos, width]
-        chosen = list(steer.offsets(int(hook.positions[0]), len(hook.positions)))
+        chosen = list(steer.offsets(hook.first_position, hook.length))  # per prompt: one start
         if chosen:
             terms = [t.to(value.device, value.dtype) for t in (add, gain, ablate)]
             rows[chosen] = steered(rows[chosen], *terms)

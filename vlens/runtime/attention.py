@@ -281,8 +281,8 @@ class AttentionSites:
         if functions:
             batched = hook_batch(values)
             indices = tuple(state.index for _, state, _ in batch)
-            name, first_rows = first.names[stage], batch[0][0]
-            hook = hook_point(name, first_rows, indices, batched.device, self.contexts)
+            name, rows = first.names[stage], [rows for rows, _, _ in batch]
+            hook = hook_point(name, rows, indices, batched.device, self.contexts)
             batched, edited = call_hooks(functions, batched, hook)
             values = list(batched.unbind(0))
         for (rows, state, _), value in zip(batch, values):

@@ -6,9 +6,15 @@ different steps (the token budget splits prefills; prompts of different lengths 
 different positions; some finish early). vlens calls a hook function shared by all prompts of a
 call (added hooks, ``fwd_hooks``; :attr:`~vlens.runtime.messages.NamePlan.shared`) once on the
 call's batch, in the prompts' order in the call, wherever that batch is whole in a step: every
-prompt of the call present, with rows of one first position and one length, and the same names
-and hook functions at the site. Everywhere else each request's hook functions run on its own
-value, ``[1, pos, ...]``, as they always may (``prompt_hooks`` and steers are per prompt by design).
+prompt of the call present, with the same number of rows (and all prefilling, or all decoding),
+and the same names and hook functions at the site. Row-wise values (the residual stream, MLP and
+attention outputs, ...) batch even where the prompts sit at different positions, as prompts of
+different lengths do when they decode together (:func:`shape_key`; ``hook.first_positions``
+says where each one is); attention scores and patterns, whose shapes depend on the position,
+batch only where every prompt is at the same one (:func:`rows_key`). Everywhere else each
+request's hook functions run on its own value, ``[1, pos, ...]``, as they always may
+(``prompt_hooks`` and steers are per prompt by design). The batch is always the whole call, so
+that ``x[i]`` is prompt ``i``, as in TransformerLens.
 
 Whether a call's requests agree at a site is decided once, when the call's plans arrive
 (:func:`batched_sites`); each step only groups by rows (:func:`in_batches`). Every tensor-parallel
@@ -57,8 +63,15 @@ def batched_sites(requests: Mapping[str, RequestPlan]) -> set[tuple[str, Site]]:
 
 
 def rows_key(rows: RequestRows) -> tuple[str, int, int]:
-    """What a batch's requests share in a step: their call, first position and number of rows."""
+    """What a batch's requests share in a step where values depend on the position (attention
+    scores and patterns): their call, first position and number of rows."""
     return call_of(rows.tag), rows.first_position, rows.stop - rows.start
+
+
+def shape_key(rows: RequestRows) -> tuple[str, int, bool]:
+    """What a batch's requests share in a step for a row-wise value: their call, number of
+    rows, and whether they prefill."""
+    return call_of(rows.tag), rows.stop - rows.start, rows.is_prefill
 
 
 def in_batches(

@@ -206,8 +206,9 @@ class GraphSites:
         selection, segments = kept_rows(keepers, self.device)
         for name in names:
             rows = copy_rows(self.captured[name], selection)
-            if isinstance(self.names[name].read, LogitsOf):
-                rows = self.model.logits_processor(self.model.lm_head, rows)
+            read = self.names[name].read
+            if isinstance(read, LogitsOf):
+                rows = read.logits(self.model, rows)
             self.call.kept.add(name, segments, rows)
 
     def finish(self, tags: Sequence[str], device: str = "cpu") -> dict[str, PaddedRows]:

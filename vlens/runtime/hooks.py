@@ -5,12 +5,15 @@ The function sees TransformerLens's value as a tensor of its own: ``[batch, pos,
 requests of one call that run together (:mod:`vlens.runtime.batches`), in their order in the call,
 or ``[1, pos, ...]`` for one request (``pos`` = the rows in this engine step: the prompt, a prefill
 chunk, or one decode row). It may return a replacement, or edit the tensor in place and return
-None: either way the edit is split back per request and written into vLLM's tensors through the
-name's write rule, so the model computes on with it and every later name sees it.
+None: either way the edit is written into vLLM's tensors through the name's write rule, so the
+model computes on with it and every later name sees it. A batch is read once and written once
+(one span of the step's rows, or its rows gathered), so a hook function costs about the same for
+one prompt as for hundreds.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -34,26 +37,40 @@ class Hook:
 
     ``requests`` are the indices in the call of the prompts whose rows the value holds, in
     its batch order; ``request`` the index when the value is one prompt's, None when it is a
-    batch of several. ``is_prefill`` False on decode steps; :attr:`positions` the absolute
-    sequence positions of the ``length`` rows, from ``first_position`` on (the same for every
-    prompt of a batch), on the value's ``device``.
+    batch of several. ``is_prefill`` False on decode steps. Each prompt's ``length`` rows start at
+    its entry of ``first_positions`` (in batch order): the same for every prompt of a batch on
+    a prefill, different where prompts of different lengths decode together. :attr:`positions`
+    holds every row's sequence position, ``[batch, pos]``, on the value's ``device``.
     """
 
     name: str
     request: int | None
-    first_position: int
+    first_positions: tuple[int, ...]
     length: int
     is_prefill: bool
     device: torch.device
     ctx: dict[str, Any] = field(default_factory=dict)
     requests: tuple[int, ...] = ()
 
+    @property
+    def first_position(self) -> int:
+        """The position of the first row, where every prompt of the value starts there."""
+        if len(set(self.first_positions)) > 1:
+            raise ValueError(
+                f"the prompts of this batch are at different positions {self.first_positions} "
+                f"(prompts of different lengths decoding together): use hook.first_positions "
+                f"(one per prompt, in batch order) or hook.positions ([batch, pos])"
+            )
+        return self.first_positions[0]
+
     @cached_property
     def positions(self) -> Tensor:
-        """Made when first asked for (most hooks never do), where the value is, so that
-        ``x[:, hook.positions >= 5]`` works on a GPU as on the CPU."""
-        end = self.first_position + self.length
-        return torch.arange(self.first_position, end, device=self.device)
+        """``[batch, pos]``: each row's sequence position, beside the value's ``[batch, pos]``
+        axes, so that ``x[hook.positions >= 5] += v`` edits those rows whether the prompts sit at
+        the same positions or not. Made when first asked for (most hooks never do), where the
+        value is."""
+        offsets = torch.arange(self.length, device=self.device)
+        return torch.tensor(self.first_positions, device=self.device)[:, None] + offsets
 
     def layer(self) -> int:
         found = re.match(r"blocks\.(\d+)\.", self.name)
@@ -62,10 +79,8 @@ class Hook:
         return int(found.group(1))
 
 
-def hook_tensor(plan: NamePlan, values: Sequence[Tensor]) -> Tensor:
-    """Each request's ``[pos, ...]`` rows → the ``[batch, ...]`` tensor a TransformerLens hook
-    expects, as the hook function's own tensor (:func:`hook_copy`)."""
-    batched = hook_batch(values)
+def arranged(plan: NamePlan, batched: Tensor) -> Tensor:
+    """``[batch, pos, ...]`` in the layout TransformerLens gives the name (e.g. heads first)."""
     if plan.arrange is None:
         return batched
     with torch.inference_mode(False):
@@ -73,7 +88,7 @@ def hook_tensor(plan: NamePlan, values: Sequence[Tensor]) -> Tensor:
 
 
 def rows_from_hook(plan: NamePlan, value: Tensor) -> Tensor:
-    """The inverse of :func:`hook_tensor`: ``[batch, pos, ...]``, one request's rows per item."""
+    """The inverse of :func:`arranged`: ``[batch, pos, ...]``, one request's rows per item."""
     if plan.arrange is not None:
         source, target = plan.arrange.split("->")
         value = rearrange(value, f"{target} -> {source}")
@@ -88,11 +103,14 @@ def run_hooks(
     contexts: dict[str, dict[str, Any]],
 ) -> None:
     """Run ``plan.hooks`` in order on the value of ``plan.name`` of these requests (``calls``
-    narrowed to each one's ``rows``, all of one length and first position; ``indices`` in the
-    call), batched in that order, and write each one's part of the edit back."""
-    originals = [plan.read(call) for call in calls]
-    value = hook_tensor(plan, originals)
-    hook = hook_point(plan.name, rows[0], indices, value.device, contexts)
+    narrowed to each one's ``rows``, all of one length; ``indices`` in the call), batched in that
+    order, and write each one's part of the edit back. The batch is read once and written once
+    (:func:`batch_call`), whatever its size."""
+    call = batch_call(calls, rows)
+    original = plan.read(call)
+    batched = original.unflatten(0, (len(rows), rows[0].stop - rows[0].start))
+    value = arranged(plan, hook_copy(batched))
+    hook = hook_point(plan.name, rows, indices, value.device, contexts)
     value, edited = call_hooks(plan.hooks, value, hook)
     if not edited:
         return
@@ -102,8 +120,32 @@ def run_hooks(
             f"into vLLM (it is computed from the model's tensors, not one of them): hook a name "
             f"that feeds it instead"
         )
-    for call, original, own in zip(calls, originals, rows_from_hook(plan, value)):
-        plan.read.write(call, own.to(original.dtype))
+    new = rows_from_hook(plan, value).flatten(0, 1)
+    plan.read.write(call, new.to(original.dtype))
+
+
+def batch_call(calls: Sequence[NarrowedCall], rows: Sequence[RequestRows]) -> NarrowedCall:
+    """One call narrowed to all of ``rows``, in this order: the request's own call for one;
+    views of one span where they are consecutive rows of the step in this order (the usual case
+    on vLLM's persistent batch); else their rows gathered by index."""
+    first = rows[0]
+    if len(rows) == 1:
+        return calls[0]
+    if all(a.stop == b.start for a, b in zip(rows, rows[1:])):
+        span = RequestRows(first.tag, first.start, rows[-1].stop, first.first_position, 0)
+        return dataclasses.replace(calls[0], rows=span)
+    device = step_device(calls[0])
+    index = torch.tensor([i for own in rows for i in range(own.start, own.stop)], device=device)
+    return dataclasses.replace(calls[0], index=index)
+
+
+def step_device(call: NarrowedCall) -> torch.device:
+    """Where the step's tensors are."""
+    results = call.result if isinstance(call.result, tuple) else (call.result,)
+    for value in (*results, *call.args, *call.kwargs.values()):
+        if isinstance(value, Tensor):
+            return value.device
+    raise HookError("a module call with no tensor: nothing to run a hook function on")
 
 
 def hook_copy(value: Tensor) -> Tensor:
@@ -126,19 +168,19 @@ def hook_batch(values: Sequence[Tensor]) -> Tensor:
 
 def hook_point(
     name: str,
-    rows: RequestRows,
+    rows: Sequence[RequestRows],
     indices: tuple[int, ...],
     device: torch.device,
     contexts: dict[str, dict[str, Any]],
 ) -> Hook:
     """The ``hook`` argument for the requests ``indices`` (of the call) at ``name``, whose rows
-    of this step are like ``rows`` (one first position and length for all)."""
+    of this step are ``rows`` (one length for all)."""
     return Hook(
         name=name,
         request=indices[0] if len(indices) == 1 else None,
-        first_position=rows.first_position,
-        length=rows.stop - rows.start,
-        is_prefill=rows.is_prefill,
+        first_positions=tuple(own.first_position for own in rows),
+        length=rows[0].stop - rows[0].start,
+        is_prefill=rows[0].is_prefill,
         device=device,
         ctx=contexts.setdefault(name, {}),
         requests=indices,

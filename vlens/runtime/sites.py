@@ -19,12 +19,15 @@ from vlens.runtime.layout import RequestRows
 from vlens.runtime.tensor_parallel import TensorParallel
 
 
-def narrow(value: Any, rows: RequestRows | None) -> Any:
-    """The rows of one request in a token-major tensor (every row when ``rows`` is None);
-    anything else passes through."""
-    if rows is not None and isinstance(value, Tensor) and value.dim() > 0:
-        return value[rows.start : rows.stop]
-    return value
+def narrow(value: Any, rows: RequestRows | None, index: Tensor | None = None) -> Any:
+    """The rows of one request in a token-major tensor (every row when ``rows`` is None), or,
+    given ``index``, those rows of the step in that order (a copy); anything else passes
+    through."""
+    if not isinstance(value, Tensor) or value.dim() == 0:
+        return value
+    if index is not None:
+        return value.index_select(0, index)
+    return value if rows is None else value[rows.start : rows.stop]
 
 
 @dataclass
@@ -33,7 +36,10 @@ class NarrowedCall:
     or whole (``rows`` None: the graph tier's traced hooks).
 
     Accessors return views into vLLM's tensors; a value split over tensor-parallel ranks
-    (``shards``) comes whole instead, and ``assign_*`` writes this rank's slice back.
+    (``shards``) comes whole instead, and ``assign_*`` writes this rank's slice back. With
+    ``index`` (the rows of several requests, in the order of a hook function's batch, where
+    they are not one span of the step) accessors return copies of those rows, and ``assign_*``
+    writes them back in place.
     """
 
     model: nn.Module
@@ -43,45 +49,52 @@ class NarrowedCall:
     result: Any = None
     parallel: TensorParallel | None = None  # None on one rank
     buffers: frozenset[int] = frozenset()  # see :func:`buffers_of`
+    index: Tensor | None = None  # rows of several requests, gathered (see above)
 
-    def _local_argument(self, index: int, name: str) -> Any:
+    def _step_argument(self, index: int, name: str) -> Any:
         if name in self.kwargs:
-            return narrow(self.kwargs[name], self.rows)
-        return narrow(self.args[index], self.rows) if index < len(self.args) else None
+            return self.kwargs[name]
+        return self.args[index] if index < len(self.args) else None
+
+    def _narrow(self, value: Any) -> Any:
+        return narrow(value, self.rows, self.index)
 
     def _whole(self, local: Any, shards: Shards | None) -> Any:
         if shards is None or self.parallel is None or local is None:
             return local
         return self.parallel.gather(local, shards)
 
-    def _assign(self, local: Tensor, new: Tensor, shards: Shards | None) -> None:
+    def _assign(self, step_value: Tensor, new: Tensor, shards: Shards | None) -> None:
+        local = self._narrow(step_value)
         if shards is not None and self.parallel is not None:
             new = self.parallel.own_slice(new, shards, local)
-        local.copy_(new)
+        if self.index is not None:
+            step_value.index_copy_(0, self.index, new.to(step_value.dtype))
+        else:
+            local.copy_(new)
 
     def argument(self, index: int, name: str, shards: Shards | None = None) -> Any:
-        return self._whole(self._local_argument(index, name), shards)
+        return self._whole(self._narrow(self._step_argument(index, name)), shards)
 
     def assign_argument(self, index: int, name: str, new: Tensor, shards: Shards | None = None) -> None:
-        self._assign(self._local_argument(index, name), new, shards)
+        self._assign(self._step_argument(index, name), new, shards)
 
     def raw_argument(self, index: int, keyword: str | None) -> Any:
         """An argument by keyword, else by position (keywords follow positionals in call order)."""
         if keyword is not None and keyword in self.kwargs:
-            return narrow(self.kwargs[keyword], self.rows)
+            return self._narrow(self.kwargs[keyword])
         if 0 <= index < len(self.args):
-            return narrow(self.args[index], self.rows)
-        return narrow(list(self.kwargs.values())[index - len(self.args)], self.rows)
+            return self._narrow(self.args[index])
+        return self._narrow(list(self.kwargs.values())[index - len(self.args)])
 
-    def _local_output(self, element: int | None) -> Any:
-        value = self.result if element is None else self.result[element]
-        return narrow(value, self.rows)
+    def _step_output(self, element: int | None) -> Any:
+        return self.result if element is None else self.result[element]
 
     def output(self, element: int | None, shards: Shards | None = None) -> Any:
-        return self._whole(self._local_output(element), shards)
+        return self._whole(self._narrow(self._step_output(element)), shards)
 
     def assign_output(self, element: int | None, new: Tensor, shards: Shards | None = None) -> None:
-        self._assign(self._local_output(element), new, shards)
+        self._assign(self._step_output(element), new, shards)
 
 
 

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from vlens.locations import Site
 from vlens.runtime.attention import AttentionSites, unsupported
-from vlens.runtime.batches import batched_sites, call_of, in_batches, rows_key
+from vlens.runtime.batches import batched_sites, call_of, in_batches, shape_key
 from vlens.runtime.graph import GraphSites
 from vlens.runtime.hooks import run_hooks
 from vlens.runtime.layout import Followed, RequestRows, follow_steps, mark_sampling
@@ -212,9 +212,9 @@ class WorkerRuntime:
         if not self.batched:
             return [[entry] for entry in served]
 
-        def key(entry: Served) -> tuple[str, int, int] | None:
+        def key(entry: Served) -> tuple[str, int, bool] | None:
             rows = entry[0]
-            return rows_key(rows) if (call_of(rows.tag), site) in self.batched else None
+            return shape_key(rows) if (call_of(rows.tag), site) in self.batched else None
 
         return in_batches(served, key, lambda e: e[1].call_size, lambda e: e[1].index)
 
