@@ -242,7 +242,11 @@ def record_runner(timer: Timer, llm: Any) -> None:
     """Which of vLLM's model runners the engine uses, for the results' header."""
     from vlens.runtime.layout import runner_kind
 
-    runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+    executor = llm.llm_engine.model_executor
+    if not hasattr(executor, "driver_worker"):  # worker processes (tensor parallelism)
+        timer.meta["runner"] = f"{type(executor).__name__}, workers in their own processes"
+        return
+    runner = executor.driver_worker.worker.model_runner
     timer.meta["runner"] = f"{runner_kind(runner).upper()} ({type(runner).__module__})"
 
 
@@ -531,6 +535,8 @@ def run_worker(name: str, args: argparse.Namespace, path: Path) -> dict[str, Any
         command.append("--profile")
     if args.skip:
         command += ["--skip", args.skip]
+    if args.tensor_parallel_size > 1:
+        command += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
     env = dict(os.environ)
     env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -634,10 +640,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeouts", default="",
                         help="per-worker seconds, e.g. eager=300,compiled=150 (defaults: "
                         + ", ".join(f"{k}={v}" for k, v in TIMEOUTS.items()) + ")")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="every vLLM engine (plain and vlens's) on this many GPUs")
     parser.add_argument("--worker", choices=WORKERS, help=argparse.SUPPRESS)
     parser.add_argument("--model-path", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     preset = PRESETS[args.preset]
+    if args.tensor_parallel_size > 1:
+        preset["engine"] = {**preset["engine"], "tensor_parallel_size": args.tensor_parallel_size}
     args.out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
     skip = {s for s in args.skip.split(",") if s}

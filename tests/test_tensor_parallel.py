@@ -67,6 +67,61 @@ def test_a_shared_hook_on_the_batch_equals_one_rank(two_ranks, hooked):
     assert ours[0] == plain[0] and ours[1] != plain[1]
 
 
+# ---- the graph tier on two ranks --------------------------------------------------------------
+# Llama's and Qwen3's mappings; Mistral and Qwen2 are Llama-family members with its names (their
+# eager two-rank tests above), left out here to keep the suite's time down.
+COMPILED_STEERED = ("blocks.1.hook_resid_post", "blocks.0.attn.hook_z", "blocks.1.mlp.hook_post")
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def compiled_two_ranks(request, hooked) -> tuple[str, HookedVLLM]:
+    """A compiled engine on two ranks with every name of the model traced into its graph, and
+    values split over the ranks (z, the MLP's hidden) among the steered ones."""
+    arch = request.param
+    names = tuple(name for name in hooked(arch).hook_names if not name.startswith("sampler."))
+    return arch, HookedVLLM.from_pretrained(
+        tiny_model(arch), dtype="float32", tensor_parallel_size=2, kv_cache_memory_bytes=64 * 2**20,
+        compiled_capture=names, compiled_steering=COMPILED_STEERED,
+    )
+
+
+def test_compiled_two_ranks_read_every_name_as_one_eager_rank(compiled_two_ranks, hooked):
+    arch, parallel = compiled_two_ranks
+    single = hooked(arch)
+    logits, cache = parallel.run_with_cache(TEXTS, max_new_tokens=3)
+    expected_logits, expected = single.run_with_cache(TEXTS, names_filter=list(cache.keys()),
+                                                      max_new_tokens=3)
+    assert {n for n in single.hook_names if not n.startswith("sampler.")} <= set(cache.keys())
+    # As above (two ranks' all-reduce), plus Inductor's fusion of the traced hooks (≤ 1e-6).
+    for name in expected.keys():
+        torch.testing.assert_close(cache[name], expected[name], rtol=1e-4, atol=1e-4, msg=name)
+    torch.testing.assert_close(logits, expected_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_compiled_two_ranks_steer_as_one_eager_rank(compiled_two_ranks, hooked):
+    """Steering as data on a whole value (the residual) and on values split over the ranks (z,
+    projected out of a direction across both ranks' heads; the MLP's hidden, scaled), prompt 0
+    only: the tokens of one eager rank, and prompt 1 untouched."""
+    from vlens import Steer
+
+    arch, parallel = compiled_two_ranks
+    single = hooked(arch)
+    generator = torch.Generator().manual_seed(7)
+    d_z = single.cfg.n_heads * single.cfg.d_head
+    steers = [
+        Steer("blocks.1.hook_resid_post", add=torch.randn(single.cfg.d_model, generator=generator),
+              scale=3.0, positions=slice(2, None)),
+        Steer("blocks.0.attn.hook_z", ablate=torch.randn(d_z, generator=generator)),
+        Steer("blocks.1.mlp.hook_post", gain=torch.full((single.cfg.d_mlp,), 1.5)),
+    ]
+    options = dict(max_new_tokens=6, do_sample=False, stop_at_eos=False, return_type="tokens")
+    ours = parallel.generate(TEXTS, prompt_steering=[steers, []], **options)
+    theirs = single.generate(TEXTS, prompt_steering=[steers, []], **options)
+    plain = single.generate(TEXTS, **options)
+    assert ours == theirs
+    assert ours[0] != plain[0] and ours[1] == plain[1]
+
+
 def test_raw_locations_are_refused_under_tensor_parallelism(two_ranks):
     _, parallel = two_ranks
     with pytest.raises(NotImplementedError, match="tensor parallelism"):

