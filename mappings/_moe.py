@@ -190,7 +190,8 @@ def moe_member(
     is_moe_layer: Callable[[Any, int], bool] | None = None,
 ) -> ArchitectureMapping:
     """A dense family's member whose MLPs are mixtures of experts (``moe_names`` on MoE layers):
-    the family's weights without the MLP's, no tensor parallelism or graph tier yet, a routed
+    the family's weights without the MLP's, the graph tier (every name reads the same traced as
+    eager: ``tests/test_compiled.py``), no tensor parallelism yet, a routed
     expert's names refused (and the family's windowed names), HuggingFace's reference from
     ``parity/hf_moe.py``. With ``is_moe_layer`` only the layers it picks are MoE layers
     (:class:`MoeLayers`); the others keep the dense MLP."""
@@ -198,7 +199,7 @@ def moe_member(
         hook_specs=hook_specs,
         weights=moe_weights(family.weights),
         tensor_parallel=False,
-        compiled_graph=False,
+        compiled_graph=True,
         unavailable=FirstReason(
             (RoutedExpertRefusal((*moe_names, f"{BLOCK}.hook_mlp_out")), windowed_name_error)
         ),

@@ -108,15 +108,28 @@ def per_position_shape(spec: HookSpec, config: PretrainedConfig) -> tuple[int, .
 def dimension(label: str, config: PretrainedConfig, shape: str) -> int:
     """The size of one axis label of a mapping file's shapes, from the HuggingFace config."""
     heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    d_head = getattr(config, "head_dim", None) or config.hidden_size // heads
+    experts = next(
+        (
+            getattr(config, name)
+            for name in ("n_routed_experts", "num_experts", "num_local_experts")
+            if isinstance(getattr(config, name, None), int)
+        ),
+        None,
+    )
     sizes = {
         "1": 1,
         "d_model": config.hidden_size,
         "d_mlp": getattr(config, "intermediate_size", None) or 4 * config.hidden_size,
         "head": heads,
-        "kv_head": getattr(config, "num_key_value_heads", None) or heads,
-        "d_head": getattr(config, "head_dim", None) or config.hidden_size // heads,
+        "kv_head": kv_heads,
+        "d_head": d_head,
+        "heads_d_head": heads * d_head,
+        "kv_heads_d_head": kv_heads * d_head,
         "d_vocab": config.vocab_size,
         "top_k": getattr(config, "num_experts_per_tok", None),
+        "n_routed_experts": experts,
     }
     size = sizes[label] if label in sizes else getattr(config, label, None)
     if not isinstance(size, int):
