@@ -18,6 +18,7 @@ from pathlib import Path
 
 import vlens.parity
 from vlens.mappings import all_mappings, vllm_implementation
+from vlens.names_table import replace_section
 from vlens.testing import architecture_of
 
 START, END = "<!-- coverage:start -->", "<!-- coverage:end -->"
@@ -96,11 +97,8 @@ def _yes(flag: bool) -> str:
 
 
 def main(argv: list[str]) -> int:
-    readme = Path(argv[0] if argv else "README.md")
-    text = readme.read_text()
-    before, rest = text.split(START, 1)
-    _, after = rest.split(END, 1)
-    readme.write_text(f"{before}{START}\n{coverage_table(REPORT.read_text())}\n{END}{after}")
+    table = coverage_table(REPORT.read_text())
+    replace_section(Path(argv[0] if argv else "README.md"), START, END, table)
     return 0
 
 

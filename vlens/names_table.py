@@ -61,12 +61,16 @@ def names_table() -> str:
     return "\n".join(lines)
 
 
+def replace_section(readme: Path, start: str, end: str, body: str) -> None:
+    """Write ``body`` between the ``start`` and ``end`` markers of ``readme`` (a generated
+    section), leaving the rest of the file as it is."""
+    before, rest = readme.read_text().split(start, 1)
+    _, after = rest.split(end, 1)
+    readme.write_text(f"{before}{start}\n{body}\n{end}{after}")
+
+
 def main(argv: list[str]) -> int:
-    readme = Path(argv[0] if argv else "README.md")
-    text = readme.read_text()
-    before, rest = text.split(START, 1)
-    _, after = rest.split(END, 1)
-    readme.write_text(f"{before}{START}\n{names_table()}\n{END}{after}")
+    replace_section(Path(argv[0] if argv else "README.md"), START, END, names_table())
     return 0
 
 
