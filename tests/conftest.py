@@ -18,6 +18,17 @@ from vlens.testing import tiny_model
 TINY_KV_CACHE = {"kv_cache_memory_bytes": 64 * 2**20}
 
 
+def engine_args_of_tests() -> dict[str, object]:
+    """Engine arguments of every test engine: the tiny KV cache, and ``VLENS_TEST_ENGINE_ARGS``."""
+    return {**TINY_KV_CACHE, **json.loads(os.environ.get("VLENS_TEST_ENGINE_ARGS", "{}"))}
+
+
+@pytest.fixture(scope="session")
+def engine_args() -> dict[str, object]:
+    """:func:`engine_args_of_tests`, for tests that build engines of their own."""
+    return engine_args_of_tests()
+
+
 @pytest.fixture(scope="session")
 def hooked() -> Callable[..., HookedVLLM]:
     """``hooked("qwen3", **engine_args)``: the session's fp32 engine for a tiny model, built
@@ -25,7 +36,7 @@ def hooked() -> Callable[..., HookedVLLM]:
     arguments to every engine, e.g. ``{"gpu_memory_utilization": 0.2}`` where two suites share
     a GPU."""
     engines: dict[tuple, HookedVLLM] = {}
-    extra = {**TINY_KV_CACHE, **json.loads(os.environ.get("VLENS_TEST_ENGINE_ARGS", "{}"))}
+    extra = engine_args_of_tests()
 
     def get(arch: str, **engine_args: object) -> HookedVLLM:
         key = (arch, *sorted(engine_args.items()))

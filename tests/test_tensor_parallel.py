@@ -11,10 +11,10 @@ TEXTS = ["Tensor parallel hooks", "run in every worker process, with the same in
 
 
 @pytest.fixture(scope="module", params=tiny_archs(lambda mapping: mapping.tensor_parallel))
-def two_ranks(request) -> tuple[str, HookedVLLM]:
+def two_ranks(request, engine_args) -> tuple[str, HookedVLLM]:
     arch = request.param
     return arch, HookedVLLM.from_pretrained(
-        tiny_model(arch), dtype="float32", tensor_parallel_size=2, kv_cache_memory_bytes=64 * 2**20
+        tiny_model(arch), dtype="float32", tensor_parallel_size=2, **engine_args
     )
 
 
@@ -38,7 +38,7 @@ def test_steering_a_split_value_equals_one_rank(two_ranks, hooked):
     shift = torch.randn(single.cfg.n_heads, single.cfg.d_head, generator=generator)
 
     def steer(z, hook):
-        z[:, :] += shift  # in place, on the whole value: written back as each rank's slice
+        z[:, :] += shift.to(z.device)  # in place, on the whole value: written back as each rank's slice
 
     hooks = [[("blocks.1.attn.hook_z", steer)], []]  # prompt 0 only
     ours = parallel.generate(TEXTS, max_new_tokens=6, do_sample=False, prompt_hooks=hooks, return_type="tokens")
@@ -57,7 +57,7 @@ def test_a_shared_hook_on_the_batch_equals_one_rank(two_ranks, hooked):
 
     def steer_second(z, hook):
         assert z.shape[0] == 2 and hook.requests == (0, 1)
-        z[1] += shift
+        z[1] += shift.to(z.device)
 
     hooks = [("blocks.1.attn.hook_z", steer_second)]
     ours = parallel.generate(tokens, max_new_tokens=6, do_sample=False, fwd_hooks=hooks, return_type="tokens")
@@ -74,13 +74,13 @@ COMPILED_STEERED = ("blocks.1.hook_resid_post", "blocks.0.attn.hook_z", "blocks.
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
-def compiled_two_ranks(request, hooked) -> tuple[str, HookedVLLM]:
+def compiled_two_ranks(request, hooked, engine_args) -> tuple[str, HookedVLLM]:
     """A compiled engine on two ranks with every name of the model traced into its graph, and
     values split over the ranks (z, the MLP's hidden) among the steered ones."""
     arch = request.param
     names = tuple(name for name in hooked(arch).hook_names if not name.startswith("sampler."))
     return arch, HookedVLLM.from_pretrained(
-        tiny_model(arch), dtype="float32", tensor_parallel_size=2, kv_cache_memory_bytes=64 * 2**20,
+        tiny_model(arch), dtype="float32", tensor_parallel_size=2, **engine_args,
         compiled_capture=names, compiled_steering=COMPILED_STEERED,
     )
 
@@ -128,7 +128,7 @@ def test_raw_locations_are_refused_under_tensor_parallelism(two_ranks):
         parallel.run_with_cache("x", names_filter="model.layers.0.mlp.act_fn.output")
 
 
-def test_worker_processes_import_neither_the_facade_nor_transformer_lens():
+def test_worker_processes_import_neither_the_facade_nor_transformer_lens(engine_args):
     """A spawned worker (as on a GPU, where vLLM never forks) loads vlens's runtime only, and
     vLLM's channels are not opened to pickled payloads (``VLLM_ALLOW_INSECURE_SERIALIZATION``
     stays unset in the user's process and in the workers)."""
@@ -141,7 +141,9 @@ os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
 os.environ.pop("VLLM_ALLOW_INSECURE_SERIALIZATION", None)
 from vlens import HookedVLLM
 from vlens.testing import tiny_model
-model = HookedVLLM.from_pretrained(tiny_model("llama"), dtype="float32", tensor_parallel_size=2)
+import json
+args = json.loads(os.environ["VLENS_TEST_ENGINE_ARGS"])
+model = HookedVLLM.from_pretrained(tiny_model("llama"), dtype="float32", tensor_parallel_size=2, **args)
 model.run_with_cache("spawned workers", names_filter="blocks.0.hook_resid_post")
 print("INSECURE", os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION", "unset"))
 def loaded(worker):
@@ -152,8 +154,12 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 for insecure, modules in model.engine.llm.collective_rpc(loaded):
     print("WORKER", insecure, " ".join(modules))
 """
+    import json
+    import os
+
+    environment = {**os.environ, "VLENS_TEST_ENGINE_ARGS": json.dumps(engine_args)}
     result = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=600
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=environment
     )
     workers = [line.split()[1:] for line in result.stdout.splitlines() if line.startswith("WORKER")]
     assert len(workers) == 2, result.stderr[-3000:]

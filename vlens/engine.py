@@ -32,6 +32,7 @@ from vlens.runtime.messages import (
 from vlens.support import engine_args
 
 _call_ids = itertools.count()
+_rpc_ids = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -192,7 +193,8 @@ class Engine:
         of vlens's worker method (:class:`vlens.runtime.worker.WorkerExtension`) and the arguments
         as bytes that vlens cloudpickles here and unpickles there (user hook functions are often
         closures), so vLLM's own channels carry only a string and bytes and need no
-        ``VLLM_ALLOW_INSECURE_SERIALIZATION``.
+        ``VLLM_ALLOW_INSECURE_SERIALIZATION``. Their results come back the same way, large
+        tensors through shared memory (:mod:`vlens.runtime.shared_tensors`).
         """
         from vlens.runtime.worker import call_runtime
 
@@ -200,7 +202,17 @@ class Engine:
             return self.llm.collective_rpc(call_runtime, args=(method, *args))
         import cloudpickle
 
-        return self.llm.collective_rpc("vlens_call", args=(method, cloudpickle.dumps(args)))
+        from vlens.runtime import shared_tensors
+
+        call = f"{os.getpid()}-{next(_rpc_ids)}"
+        try:
+            results = self.llm.collective_rpc(
+                "vlens_call",
+                args=(method, cloudpickle.dumps(args), call, shared_tensors.this_machine()),
+            )
+            return [shared_tensors.loads(result) for result in results]
+        finally:
+            shared_tensors.remove_unread(call)
 
     def _on_driver(self, method: str, *args: Any) -> Any:
         """Like :meth:`_on_workers`, keeping rank 0's result (every rank returns whole values)."""

@@ -325,9 +325,14 @@ class WorkerExtension:
     point of worker processes, called by name with bytes, so that vLLM's channels never carry
     a pickled callable."""
 
-    def vlens_call(self, method: str, payload: bytes) -> Any:
+    def vlens_call(self, method: str, payload: bytes, call: str, machine: str) -> bytes:
         """Run ``WorkerRuntime.<method>`` with the arguments vlens cloudpickled in the user's
-        process (plans, and user hook functions, which are often closures)."""
+        process (plans, and user hook functions, which are often closures); the result goes back
+        pickled, its large tensors through shared memory in files named after ``call`` where
+        the user's process runs on this ``machine`` (:mod:`vlens.runtime.shared_tensors`)."""
         import cloudpickle
 
-        return call_runtime(self, method, *cloudpickle.loads(payload))
+        from vlens.runtime import shared_tensors
+
+        result = call_runtime(self, method, *cloudpickle.loads(payload))
+        return shared_tensors.dumps(result, call, machine)

@@ -1,0 +1,52 @@
+"""Worker results whose large tensors cross through shared-memory files."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import torch
+
+from vlens.runtime import shared_tensors
+from vlens.runtime.messages import PaddedRows
+
+
+def _leftover_files() -> set[str]:
+    return set(glob.glob(os.path.join(shared_tensors.SHARED_MEMORY, "vlens-rows-*")))
+
+
+def test_large_tensors_round_trip_through_files_that_are_removed():
+    before = _leftover_files()
+    large = torch.randn(640, 7, 128).to(torch.bfloat16)  # 1,146,880 bytes
+    large32 = torch.randn(2048, 160)
+    small = torch.arange(12).view(3, 4)
+    strided = torch.randn(512, 1024)[:, ::2]  # not contiguous
+    value = {"rows": PaddedRows(large32, [[(0, 2048)]]), "small": small, "strided": strided,
+             "bf16": large, "text": "kept"}
+    payload = shared_tensors.dumps(value, "test-1", shared_tensors.this_machine())
+    assert len(payload) < 100_000  # the large tensors are not in the pickle
+    back = shared_tensors.loads(payload)
+    assert torch.equal(back["rows"].values, large32) and back["rows"].spans == [[(0, 2048)]]
+    assert torch.equal(back["small"], small)
+    assert torch.equal(back["strided"], strided)
+    assert back["bf16"].dtype == torch.bfloat16 and torch.equal(back["bf16"], large)
+    assert back["text"] == "kept"
+    assert _leftover_files() == before
+    back["rows"].values[0, 0] = 7.0  # the mapping is private and writable
+    assert back["rows"].values[0, 0] == 7.0 and large32[0, 0] != 7.0
+
+
+def test_files_a_call_left_unread_are_removed():
+    before = _leftover_files()
+    shared_tensors.dumps(torch.zeros(1 << 20), "test-2", shared_tensors.this_machine())  # unread
+    assert len(_leftover_files() - before) == 1
+    shared_tensors.remove_unread("test-2")
+    assert _leftover_files() == before
+
+
+def test_a_reader_on_another_machine_gets_the_tensors_in_the_pickle():
+    before = _leftover_files()
+    value = torch.randn(1 << 19)
+    payload = shared_tensors.dumps(value, "test-3", "another-host/boot")
+    assert len(payload) > value.numel() * 4 and _leftover_files() == before
+    assert torch.equal(shared_tensors.loads(payload), value)

@@ -1,0 +1,20 @@
+#!/bin/bash
+# Issue 21 on two GPUs (kind nvidia-h200-x2): the tensor-parallel tests (tests/test_tensor_parallel.py:
+# eager and compiled TP=2 against one eager rank, every name of Llama and Qwen3, steering) with
+# torch.compile and CUDA graphs on, in ONE device call after the carry calls of tools/gpu/gpu.sh's
+# header (about 4 minutes); writes the log under $OUT. Its benchmark is
+# `bash tools/gpu/bench.sh --tensor-parallel-size 2 --skip eager,hf,transformer_lens`.
+set -uo pipefail
+root=$(cd "$(dirname "$0")/../.." && pwd)
+OUT=${OUT:-/tmp/vlens-tp-out}
+mkdir -p "$OUT"
+source "$root/tools/gpu/gpu_setup.sh" || exit 1
+export NCCL_NVLS_ENABLE=0  # NVLink multicast stays off on the lent machines
+# fp32 parity between compiled and eager: Triton's dots in IEEE precision (see tools/gpu/gpu.sh).
+TRITON_F32_DEFAULT=ieee TRITON_CACHE_DIR=/tmp/triton-tp \
+  VLENS_TEST_ENGINE_ARGS='{"gpu_memory_utilization": 0.08, "kv_cache_memory_bytes": 1073741824}' \
+  timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q -p no:cacheprovider \
+  "$root/tests/test_tensor_parallel.py" "$root/tests/test_shared_tensors.py" > "$OUT/tests-tp.log" 2>&1
+echo "tensor-parallel tests: exit $?"
+tail -2 "$OUT/tests-tp.log"
+grep -h "^FAILED\|^E " "$OUT/tests-tp.log" | head -20

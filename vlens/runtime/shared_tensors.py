@@ -1,0 +1,110 @@
+"""Results of worker processes whose tensors cross through shared-memory files, not pickles.
+
+Under tensor parallelism vLLM's workers are processes of their own, and what a worker returns
+reaches the user's process pickled through vLLM's message queue. A capture's kept rows are large
+(one layer of a 256-prompt generation of an 8B model is half a gigabyte), and a pickled tensor is
+copied several times on the way (serialised, sent, received, rebuilt). Instead each large tensor is
+copied once into a file in ``/dev/shm`` (memory, not disk), and only its path, dtype and shape are
+pickled; the user's process maps the file as the tensor's storage (no copy) and removes its name at
+once, so the memory is freed with the tensor. A worker on another machine (a Ray cluster's node)
+pickles its tensors whole: the files would not be there. Files are named after the call that made them, and
+the user's process removes what a call left unread (a rank failed, so no result was read) when it
+ends: no file outlives its call.
+"""
+
+from __future__ import annotations
+
+import glob
+import io
+import os
+import pickle
+import shutil
+import socket
+import tempfile
+import uuid
+from typing import Any
+
+import torch
+from torch import Tensor
+
+#: Tensors smaller than this are pickled as they are (a file per tensor costs more than a copy).
+MIN_SHARED_BYTES = 1 << 20
+
+#: Where the files are made: memory-backed where the machine has it.
+SHARED_MEMORY = "/dev/shm"
+
+_PREFIX = "vlens-rows-"
+
+
+def this_machine() -> str:
+    """What tells a machine (and a container, which has a /dev/shm of its own) from another."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as boot:
+            boot_id = boot.read().strip()
+    except OSError:
+        boot_id = ""
+    return f"{socket.gethostname()}/{boot_id}"
+
+
+def dumps(value: Any, call: str, reader_machine: str) -> bytes:
+    """``value`` pickled; its large CPU tensors written to shared-memory files named after
+    ``call`` (a label unique to one call of the workers, see :func:`remove_unread`) when the
+    reader runs on this machine (:func:`this_machine`), else pickled whole."""
+    buffer = io.BytesIO()
+    if reader_machine == this_machine():
+        _SharingPickler(buffer, call).dump(value)
+    else:
+        pickle.Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+    return buffer.getvalue()
+
+
+def loads(payload: bytes) -> Any:
+    """The value :func:`dumps` pickled, its tensors mapped from their files (which are removed)."""
+    return _MappingUnpickler(io.BytesIO(payload)).load()
+
+
+def remove_unread(call: str) -> None:
+    """Remove the files of ``call`` that no :func:`loads` took (after a call some rank failed)."""
+    for folder in {SHARED_MEMORY, tempfile.gettempdir()}:
+        for path in glob.glob(os.path.join(folder, f"{_PREFIX}{call}-*")):
+            os.unlink(path)
+
+
+class _SharingPickler(pickle.Pickler):
+    def __init__(self, file: io.BytesIO, call: str) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.call = call
+
+    def persistent_id(self, obj: Any) -> tuple[str, str, str, tuple[int, ...]] | None:
+        if not isinstance(obj, Tensor) or obj.device.type != "cpu":
+            return None
+        nbytes = obj.numel() * obj.element_size()
+        if nbytes < MIN_SHARED_BYTES or obj.requires_grad:
+            return None
+        path = os.path.join(_folder_for(nbytes), f"{_PREFIX}{self.call}-{uuid.uuid4().hex}")
+        shared = torch.from_file(path, shared=True, size=obj.numel(), dtype=obj.dtype)
+        shared.view(obj.shape).copy_(obj)
+        return ("shared-tensor", path, str(obj.dtype).removeprefix("torch."), tuple(obj.shape))
+
+
+class _MappingUnpickler(pickle.Unpickler):
+    def persistent_load(self, pid: Any) -> Tensor:
+        kind, path, dtype_name, shape = pid
+        if kind != "shared-tensor":
+            raise pickle.UnpicklingError(f"unknown persistent id {kind!r}")
+        dtype = getattr(torch, dtype_name)
+        count = int(torch.Size(shape).numel())
+        try:
+            # Private: the pages are the file's until written; writes stay in this process.
+            mapped = torch.from_file(path, shared=False, size=count, dtype=dtype)
+        finally:
+            os.unlink(path)
+        return mapped.view(shape)
+
+
+def _folder_for(nbytes: int) -> str:
+    """Shared memory when it has room for ``nbytes`` (containers often give it 64 MiB), else the
+    temporary folder."""
+    if os.path.isdir(SHARED_MEMORY) and shutil.disk_usage(SHARED_MEMORY).free > 2 * nbytes:
+        return SHARED_MEMORY
+    return tempfile.gettempdir()
