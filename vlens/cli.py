@@ -186,6 +186,12 @@ def parser() -> argparse.ArgumentParser:
                        "report; exit 1 when a shard fails its check")
     cache.set_defaults(run=cache_command, usage_error=cache.error)
 
+    commands.add_parser(
+        "serve", add_help=False,
+        help="vLLM's OpenAI-compatible server with per-request steering and activations "
+        "(vlens serve MODEL [vlens options] [vllm serve options]; --help lists them)",
+    )
+
     parity = commands.add_parser(
         "parity", help="parity tables against HuggingFace and TransformerLens"
     )
@@ -197,6 +203,11 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:  # vLLM's own option parser, with vlens's options
+        from vlens.serve.server import main as serve
+
+        return serve(argv[1:])
     commands = parser()
     args = commands.parse_args(argv)
     # A command's output is its table: vLLM's start-up warnings would bury it.

@@ -200,23 +200,40 @@ class Engine:
 
         if self.in_process:
             return self.llm.collective_rpc(call_runtime, args=(method, *args))
-        import cloudpickle
-
-        from vlens.runtime import shared_tensors
-
-        call = f"{os.getpid()}-{next(_rpc_ids)}"
-        try:
-            results = self.llm.collective_rpc(
-                "vlens_call",
-                args=(method, cloudpickle.dumps(args), call, shared_tensors.this_machine()),
-            )
-            return [shared_tensors.loads(result) for result in results]
-        finally:
-            shared_tensors.remove_unread(call)
+        with WorkerCall(method, args) as call:
+            return call.results(self.llm.collective_rpc("vlens_call", args=call.arguments))
 
     def _on_driver(self, method: str, *args: Any) -> Any:
         """Like :meth:`_on_workers`, keeping rank 0's result (every rank returns whole values)."""
         return self._on_workers(method, *args)[0]
+
+
+class WorkerCall:
+    """One call of ``WorkerRuntime.<method>(*args)`` in vLLM's worker processes, through their
+    ``vlens_call``: :attr:`arguments` for ``collective_rpc``, and :meth:`results` to read what the
+    ranks return. Large tensors come back as shared-memory files named after the call; leaving
+    the ``with`` block removes those no result took (a rank failed)."""
+
+    def __init__(self, method: str, args: tuple) -> None:
+        import cloudpickle
+
+        from vlens.runtime import shared_tensors
+
+        self.label = f"{os.getpid()}-{next(_rpc_ids)}"
+        self.arguments = (method, cloudpickle.dumps(args), self.label, shared_tensors.this_machine())
+
+    def results(self, returned: Sequence[bytes]) -> list[Any]:
+        from vlens.runtime import shared_tensors
+
+        return [shared_tensors.loads(result) for result in returned]
+
+    def __enter__(self) -> WorkerCall:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        from vlens.runtime import shared_tensors
+
+        shared_tensors.remove_unread(self.label)
 
 
 def greedy(max_new_tokens: int) -> Any:
@@ -247,19 +264,22 @@ FOREIGN_PLUGINS = frozenset({"tl_vllm_capture"})
 
 
 @contextmanager
-def plugins_except(excluded: frozenset[str]) -> Iterator[None]:
+def plugins_except(
+    excluded: frozenset[str], endpoints: frozenset[str] = frozenset()
+) -> Iterator[None]:
     """While an engine is built (its worker processes start then and inherit the environment):
-    every installed vLLM plugin but ``excluded``, unless the user chose with ``VLLM_PLUGINS``."""
+    every installed vLLM plugin but ``excluded``, unless the user chose with ``VLLM_PLUGINS``;
+    of the endpoint plugins (HTTP routes of vLLM's server), only ``endpoints``."""
     if "VLLM_PLUGINS" in os.environ:
         yield
         return
     from importlib.metadata import entry_points
 
     installed = entry_points()
-    # Endpoint plugins load only when named: naming them here would turn them on.
+    # Endpoint plugins load only when named: naming them here turns them on.
     groups = [g for g in installed.groups if g.startswith("vllm.") and g != "vllm.endpoint_plugins"]
     allowed = {plugin.name for group in groups for plugin in installed.select(group=group)}
-    os.environ["VLLM_PLUGINS"] = ",".join(sorted(allowed - excluded))
+    os.environ["VLLM_PLUGINS"] = ",".join(sorted((allowed - excluded) | endpoints))
     try:
         yield
     finally:

@@ -236,8 +236,21 @@ class GraphSites:
                 self.call = CallState()
                 for buffers in self.steering.values():
                     buffers.reset()
+            else:  # requests overlap (a server): forget only what the finished ones held
+                self.call.kept.keep_only(set(self.call.keep))
+                self._compact_tables()
 
     # ---- helpers -----------------------------------------------------------------------------
+
+    def _compact_tables(self) -> None:
+        """Keep only the steering terms of requests still followed, renumbered."""
+        tables: dict[str, list[Terms]] = defaultdict(list)
+        for own in self.call.steering.values():
+            for name, (index, steer) in own.items():
+                own[name] = (len(tables[name]), steer)
+                tables[name].append(self.call.tables[name][index])
+        self.call.tables = tables
+        self.call.stacked.clear()
 
     def _stacked(self, name: str) -> Terms:
         if name not in self.call.stacked:

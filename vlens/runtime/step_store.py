@@ -70,6 +70,17 @@ class StepStore:
     def clear(self) -> None:
         self.entries.clear()
 
+    def keep_only(self, tags: set[str]) -> None:
+        """Forget the steps none of whose rows belong to ``tags`` (the requests still running):
+        where requests keep arriving, the store never empties, and finished requests' steps
+        would otherwise stay."""
+        for name, steps in list(self.entries.items()):
+            live = [step for step in steps if any(segment.tag in tags for segment in step[0])]
+            if live:
+                self.entries[name] = live
+            else:
+                del self.entries[name]
+
 
 @dataclass
 class _Layout:

@@ -131,6 +131,14 @@ class WorkerRuntime:
                 self.followed.clear()
                 self.furthest.clear()
                 self.kept.clear()
+            else:  # requests overlap (a server): forget only the finished ones
+                finished = set(tags)
+                for req_id, known in list(self.followed.items()):
+                    if known is None or known[0] in finished:
+                        del self.followed[req_id]
+                for tag in tags:
+                    self.furthest.pop(tag, None)
+                self.kept.keep_only(set(self.wanted))
 
     def module_tree(self) -> str:
         return repr(self.model)

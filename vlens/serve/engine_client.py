@@ -1,0 +1,113 @@
+"""vLLM's engine client with each request's ``vlens`` fields honoured.
+
+vLLM's OpenAI handlers turn a request into sampling parameters and call the engine client's
+``generate``. The ``vlens`` object travels there in ``vllm_xargs`` (the server's routes put it
+there, :mod:`vlens.serve.routes`); this client takes it out, plans the request, prepares every
+worker for it (the same worker calls ``HookedVLLM`` makes), tags the request, passes it on to
+vLLM's own client, and when it finishes fetches what was captured and keeps it in the
+activation store. Requests without ``vlens`` pass straight through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+from collections.abc import AsyncGenerator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor
+
+from vlens.engine import WorkerCall
+from vlens.runtime.messages import TAG_KEY, Handback
+from vlens.serve.fields import read_fields
+from vlens.serve.model import ServedModel
+from vlens.serve.store import ActivationStore
+
+#: The ``vllm_xargs`` key that carries a request's ``vlens`` object, as JSON text.
+FIELDS_KEY = "vlens_fields"
+
+_serial = itertools.count()
+
+#: Captures whose response was never written (the client went away) kept at most.
+MAX_UNCLAIMED = 4096
+
+
+@dataclass(frozen=True)
+class Captured:
+    """What a finished request captured: its id in the store and each name's shape."""
+
+    activations: str
+    names: dict[str, list[int]]
+
+
+class VlensEngineClient:
+    """Wraps vLLM's engine client: ``generate`` honours the ``vlens`` fields; everything else is
+    vLLM's own."""
+
+    def __init__(
+        self,
+        engine: Any,
+        served: ServedModel,
+        vectors: Mapping[str, Tensor],
+        store: ActivationStore,
+        steered_models: Mapping[str, dict] | None = None,
+    ) -> None:
+        self._engine = engine
+        self.served = served
+        self.vectors = vectors
+        self.store = store
+        #: served model name -> the ``vlens`` object every request to it gets (``--steered-model``)
+        self.steered_models = dict(steered_models or {})
+        #: engine request id -> what it captured, until its response is written
+        self.captured: dict[str, Captured] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    async def generate(
+        self, prompt: Any, sampling_params: Any, request_id: str, *args: Any, **kwargs: Any
+    ) -> AsyncGenerator[Any, None]:
+        extra = dict(getattr(sampling_params, "extra_args", None) or {})
+        text = extra.pop(FIELDS_KEY, None)
+        if TAG_KEY in extra:  # the routes refuse it; whatever else reaches here must not pose
+            raise ValueError(f"{TAG_KEY} is reserved by vlens")  # as another request's rows
+        if text is None:
+            async for output in self._engine.generate(
+                prompt, sampling_params, request_id, *args, **kwargs
+            ):
+                yield output
+            return
+        # Checked by the route already; planned again here, where the request runs.
+        planned = self.served.plan(read_fields(json.loads(text), self.vectors))
+        tag = f"serve-{next(_serial)}:0"
+        extra[TAG_KEY] = tag
+        sampling_params.extra_args = extra
+        await self._on_workers("prepare", {tag: planned.plan})
+        final = None
+        try:
+            async for output in self._engine.generate(
+                prompt, sampling_params, request_id, *args, **kwargs
+            ):
+                final = output
+                yield output
+        finally:
+            handback: Handback = (await self._on_workers("finish", [tag], "cpu"))[0]
+        if planned.names and final is not None:
+            prompt, sampled = list(final.prompt_token_ids), list(final.outputs[0].token_ids)
+            # Off the event loop: assembling and serialising a capture is tensor work.
+            values = await asyncio.to_thread(
+                self.served.activations, planned, tag, handback, prompt, sampled
+            )
+            key = await asyncio.to_thread(self.store.put, values)
+            shapes = {name: list(value.shape) for name, value in values.items()}
+            self.captured[request_id] = Captured(key, shapes)
+            while len(self.captured) > MAX_UNCLAIMED:  # responses that were never written
+                self.captured.pop(next(iter(self.captured)))
+
+    async def _on_workers(self, method: str, *args: Any) -> list[Any]:
+        """``WorkerRuntime.<method>(*args)`` on every worker (as ``Engine._on_workers`` does for
+        worker processes): one result per rank."""
+        with WorkerCall(method, args) as call:
+            return call.results(await self._engine.collective_rpc("vlens_call", args=call.arguments))

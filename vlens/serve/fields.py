@@ -1,0 +1,138 @@
+"""The ``vlens`` object of a completion request, read from JSON into steers and names.
+
+Everything here comes from the network: numbers and strings only (vectors as JSON arrays of
+numbers, or the name of a vector the server registered at start-up). Nothing is unpickled or run.
+A field that is wrong in any way raises :class:`BadVlensField`, which the server answers with an
+HTTP 400 carrying its message.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from vlens.steering import Steer
+
+#: The keys of the ``vlens`` object and of one of its steering entries.
+REQUEST_KEYS = frozenset({"steering", "capture"})
+STEER_KEYS = frozenset({"name", "add", "scale", "ablate", "gain", "positions"})
+
+
+class BadVlensField(ValueError):
+    """A request's ``vlens`` object cannot be served as given (answered with HTTP 400)."""
+
+
+@dataclass(frozen=True)
+class VlensFields:
+    """What one request asks of vlens: steers (names as the client wrote them) and names to
+    capture."""
+
+    steering: tuple[Steer, ...] = ()
+    capture: tuple[str, ...] = ()
+
+    @property
+    def empty(self) -> bool:
+        return not self.steering and not self.capture
+
+
+def read_fields(value: Any, vectors: Mapping[str, Tensor]) -> VlensFields:
+    """The ``vlens`` object of a request; ``vectors``: the server's named vectors."""
+    if value is None:
+        return VlensFields()
+    if not isinstance(value, dict):
+        raise BadVlensField(f"vlens must be an object, got {_json_type(value)}")
+    unknown = sorted(set(value) - REQUEST_KEYS)
+    if unknown:
+        raise BadVlensField(f"vlens: unknown field(s) {unknown}; known: {sorted(REQUEST_KEYS)}")
+    steering = value.get("steering", [])
+    if not isinstance(steering, list):
+        raise BadVlensField(f"vlens.steering must be a list, got {_json_type(steering)}")
+    capture = value.get("capture", [])
+    if not isinstance(capture, list) or not all(isinstance(name, str) for name in capture):
+        raise BadVlensField("vlens.capture must be a list of hook names (strings)")
+    steers = tuple(
+        _steer(entry, f"vlens.steering[{index}]", vectors) for index, entry in enumerate(steering)
+    )
+    return VlensFields(steers, tuple(capture))
+
+
+def _steer(entry: Any, where: str, vectors: Mapping[str, Tensor]) -> Steer:
+    if not isinstance(entry, dict):
+        raise BadVlensField(f"{where} must be an object, got {_json_type(entry)}")
+    unknown = sorted(set(entry) - STEER_KEYS)
+    if unknown:
+        raise BadVlensField(f"{where}: unknown field(s) {unknown}; known: {sorted(STEER_KEYS)}")
+    name = entry.get("name")
+    if not isinstance(name, str):
+        raise BadVlensField(f"{where}.name must be a hook name (a string)")
+    scale = entry.get("scale", 1.0)
+    if not _is_number(scale):
+        raise BadVlensField(f"{where}.scale must be a finite number")
+    gain = entry.get("gain")
+    try:
+        return Steer(
+            name,
+            add=_vector(entry.get("add"), f"{where}.add", vectors),
+            scale=float(scale),
+            ablate=_vector(entry.get("ablate"), f"{where}.ablate", vectors),
+            gain=float(gain) if _is_number(gain) else _vector(gain, f"{where}.gain", vectors),
+            positions=_positions(entry.get("positions"), f"{where}.positions"),
+        )
+    except (TypeError, ValueError) as error:
+        if isinstance(error, BadVlensField):
+            raise
+        raise BadVlensField(f"{where}: {error}") from None
+
+
+def _vector(value: Any, where: str, vectors: Mapping[str, Tensor]) -> Tensor | None:
+    """A JSON array of finite numbers, or the name of a registered vector."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if value not in vectors:
+            known = ", ".join(sorted(vectors)) or "none (start the server with --vectors FILE)"
+            raise BadVlensField(f"{where}: no vector named {value!r}; the server has: {known}")
+        return vectors[value]
+    if not isinstance(value, list) or not value or not all(_is_real(x) for x in value):
+        raise BadVlensField(
+            f"{where} must be a non-empty array of numbers or a registered vector's name"
+        )
+    if not all(math.isfinite(x) for x in value):
+        raise BadVlensField(f"{where} holds a non-finite value (NaN or infinity)")
+    return torch.tensor(value, dtype=torch.float32)
+
+
+def _positions(value: Any, where: str) -> slice | None:
+    """``[start, stop]`` (stop may be null: to the end), as absolute sequence positions."""
+    if value is None:
+        return None
+    if (
+        not isinstance(value, list)
+        or len(value) != 2
+        or not isinstance(value[0], int)
+        or not (value[1] is None or isinstance(value[1], int))
+        or isinstance(value[0], bool)
+        or isinstance(value[1], bool)
+    ):
+        raise BadVlensField(f"{where} must be [start, stop] (integers; stop may be null)")
+    return slice(value[0], value[1])
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return _is_real(value) and math.isfinite(value)
+
+
+def _json_type(value: Any) -> str:
+    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean"}
+    if value is None:
+        return "null"
+    return names.get(type(value), "a number")

@@ -1,0 +1,161 @@
+"""vlens's HTTP surface on vLLM's OpenAI server, as a vLLM endpoint plugin (the ``vlens``
+entry point of ``vllm.endpoint_plugins``, turned on by ``vlens serve`` only).
+
+- ``POST /v1/completions`` and ``/v1/chat/completions``: vLLM's own handlers, after the request's
+  ``vlens`` object is checked (an HTTP 400 names what is wrong) and moved into ``vllm_xargs``,
+  where :class:`~vlens.serve.engine_client.VlensEngineClient` takes it; a response to a request
+  that captured names gains ``"vlens": {"activations": ID, "names": {name: shape}}``.
+- ``GET /v1/activations/{id}``: those values as a safetensors file, deleted once fetched.
+
+Being routes of vLLM's app, they sit behind its middleware, ``--api-key`` included.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+from vlens.runtime.messages import TAG_KEY
+from vlens.serve.engine_client import FIELDS_KEY, VlensEngineClient
+from vlens.serve.fields import BadVlensField, read_fields
+
+Endpoint = Callable[..., Awaitable[Any]]
+
+
+@dataclass
+class Serving:
+    """What the routes reach: set by ``vlens serve`` before vLLM builds its app."""
+
+    client: VlensEngineClient | None = None
+    originals: dict[str, Endpoint] = field(default_factory=dict)
+
+
+SERVING = Serving()
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+ACTIVATIONS = "/v1/activations/{activation_id}"
+
+
+class VlensRoutes:
+    """The endpoint plugin (vLLM calls this class with no arguments)."""
+
+    name = "vlens"
+    required_tasks = ("generate",)
+
+    def attach_router(self, app: FastAPI) -> None:
+        """Our routes replace vLLM's completion routes (whose handlers they call, with the same
+        dependencies, such as its check of the content type) and add the activations route."""
+        handlers = {COMPLETIONS: completions, CHAT: chat_completions}
+        for index, route in enumerate(list(app.router.routes)):
+            ours = route.path in handlers if isinstance(route, APIRoute) else False
+            if ours and route.methods == {"POST"}:
+                SERVING.originals[route.path] = route.endpoint
+                app.add_api_route(route.path, handlers[route.path], methods=["POST"],
+                                  dependencies=list(route.dependencies))
+                # In the original's place (vLLM 0.26 would keep the first of two routes)
+                app.router.routes[index] = app.router.routes.pop()
+        if COMPLETIONS not in SERVING.originals:  # vlens fields would be silently ignored
+            raise RuntimeError(
+                f"vlens serve: this vLLM has no POST {COMPLETIONS} route of the expected form "
+                "for vlens to extend"
+            )
+        app.add_api_route(ACTIVATIONS, activations, methods=["GET"])
+
+    async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
+        """Nothing: ``vlens serve`` hands its engine client to vLLM's handlers itself."""
+
+
+async def completions(request: CompletionRequest, raw_request: Request) -> Response:
+    return await _with_vlens_fields(COMPLETIONS, request, raw_request)
+
+
+async def chat_completions(request: ChatCompletionRequest, raw_request: Request) -> Response:
+    return await _with_vlens_fields(CHAT, request, raw_request)
+
+
+async def activations(activation_id: str) -> Response:
+    client = _client()
+    payload = client.store.take(activation_id)
+    if payload is None:
+        return _error(
+            404, f"no activations with id {activation_id!r}: each is served once, and the "
+            "oldest are dropped when the store needs room (--activation-store-bytes)", "id"
+        )
+    return Response(payload, media_type="application/octet-stream")
+
+
+async def _with_vlens_fields(path: str, request: Any, raw_request: Request) -> Response:
+    client = _client()
+    reserved = sorted({TAG_KEY, FIELDS_KEY} & set(request.vllm_xargs or {}))
+    if reserved:  # a request must not pose as another one's rows
+        message = f"vllm_xargs: {reserved} are reserved by vlens; use the vlens field"
+        return _error(400, message, "vllm_xargs")
+    extra = request.model_extra if request.model_extra is not None else {}
+    value = with_steered_model(extra.pop("vlens", None), client.steered_models.get(request.model))
+    original = SERVING.originals[path]
+    if value is None:
+        return await original(request=request, raw_request=raw_request)
+    try:
+        fields = read_fields(value, client.vectors)
+        client.served.plan(fields)
+        _check_request(request, bool(fields.capture))
+    except BadVlensField as error:
+        return _error(400, str(error), "vlens")
+    request.vllm_xargs = {**(request.vllm_xargs or {}), FIELDS_KEY: json.dumps(value)}
+    response = await original(request=request, raw_request=raw_request)
+    if not fields.capture or not isinstance(response, JSONResponse) or response.status_code != 200:
+        return response
+    body = json.loads(response.body)
+    for choice in body.get("choices", []):
+        key = f"{body['id']}-{choice['index']}" if path == COMPLETIONS else body["id"]
+        captured = client.captured.pop(key, None)
+        if captured is not None:
+            choice["vlens"] = {"activations": captured.activations, "names": captured.names}
+    if len(body.get("choices", [])) == 1 and "vlens" in body["choices"][0]:
+        body["vlens"] = body["choices"][0]["vlens"]
+    headers = {k: v for k, v in response.headers.items() if k.lower() != "content-length"}
+    return JSONResponse(body, status_code=response.status_code, headers=headers)
+
+
+def with_steered_model(value: Any, steered_model: dict | None) -> Any:
+    """A request's ``vlens`` object with its model name's (``--steered-model``) before it: the
+    model's steering first, then the request's own, and the request's captures."""
+    if steered_model is None or value is None:
+        return value if steered_model is None else steered_model
+    if not isinstance(value, dict) or not isinstance(value.get("steering", []), list):
+        return value  # refused as it is by read_fields
+    steering = [*steered_model.get("steering", []), *value.get("steering", [])]
+    return {**steered_model, **value, "steering": steering}
+
+
+def _check_request(request: Any, captures: bool) -> None:
+    """What a request with ``vlens`` fields cannot combine them with."""
+    if (getattr(request, "n", 1) or 1) > 1:
+        raise BadVlensField("vlens fields need n=1 (send one request per sample)")
+    if getattr(request, "use_beam_search", False):
+        raise BadVlensField("vlens fields cannot be combined with beam search")
+    if captures and getattr(request, "stream", False):
+        raise BadVlensField("vlens.capture needs a non-streaming request (stream: false)")
+
+
+def _client() -> VlensEngineClient:
+    if SERVING.client is None:
+        raise RuntimeError("vlens's routes are served by `vlens serve` only")
+    return SERVING.client
+
+
+def _error(status: int, message: str, param: str) -> JSONResponse:
+    kind = "BadRequestError" if status == 400 else "NotFoundError"
+    return JSONResponse(
+        {"error": {"message": message, "type": kind, "param": param, "code": status}},
+        status_code=status,
+    )

@@ -1,0 +1,172 @@
+"""``vlens serve MODEL [vlens options] [vllm serve options]``: vLLM's own OpenAI-compatible server
+(its app, AsyncLLM and engine process) with vlens's worker runtime in the engine, its engine
+client around vLLM's (:mod:`vlens.serve.engine_client`) and its routes (:mod:`vlens.serve.routes`).
+
+Every ``vllm serve`` option keeps its meaning, with vlens's defaults: the server binds 127.0.0.1
+unless ``--host`` says otherwise, prefix caching is off (a cache hit would skip the forward over
+the prompt), and the engine runs eager unless names are declared for the graph tier with
+``--compiled-capture`` / ``--compiled-steering``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import Tensor
+
+from vlens.engine import (
+    CPU_KV_CACHE_BYTES,
+    FOREIGN_PLUGINS,
+    WORKER_EXTENSION,
+    cores_per_rank,
+    plugins_except,
+)
+from vlens.runtime.graph_worker import graph_names_for_workers
+from vlens.serve.engine_client import VlensEngineClient
+from vlens.serve.fields import read_fields
+from vlens.serve.model import ServedModel
+from vlens.serve.routes import SERVING, VlensRoutes
+from vlens.serve.store import ActivationStore
+from vlens.serve.vllm_server import server_functions
+
+#: The activation store's bound unless ``--activation-store-bytes`` is given.
+DEFAULT_STORE_BYTES = 2**30
+
+
+def parser() -> argparse.ArgumentParser:
+    """vLLM's ``serve`` parser, with vlens's options and defaults."""
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    serve = server_functions().make_arg_parser(FlexibleArgumentParser(
+        prog="vlens serve",
+        description="vLLM's OpenAI-compatible server with per-request steering and activations "
+        "in TransformerLens's hook names (a `vlens` object in the request body).",
+    ))
+    group = serve.add_argument_group("vlens")
+    group.add_argument("--vectors", type=Path, metavar="FILE",
+                       help="a .safetensors file of named vectors that requests may steer with "
+                       "by name")
+    group.add_argument("--activation-store-bytes", type=int, default=DEFAULT_STORE_BYTES,
+                       metavar="N", help="captured activations kept until fetched, at most this "
+                       "many bytes; the least recently stored go first (default: 1 GiB)")
+    group.add_argument("--steered-model", action="append", default=[], metavar="NAME=FILE",
+                       help="serve the model also as NAME, steered as the `vlens` object in the "
+                       "JSON FILE says for every request to NAME (for clients such as lm-eval, "
+                       "which cannot add fields to a request); repeatable")
+    group.add_argument("--compiled-capture", nargs="+", default=[], metavar="NAME",
+                       help="run vLLM's compiled graph with these names traced in, for capture")
+    group.add_argument("--compiled-steering", nargs="+", default=[], metavar="NAME",
+                       help="run vLLM's compiled graph with these names steerable")
+    serve.set_defaults(host="127.0.0.1")
+    return serve
+
+
+def prepare_engine_arguments(args: argparse.Namespace, compiled: bool) -> None:
+    """vlens's engine settings on the parsed ``vllm serve`` options, refusing what it cannot
+    honour."""
+    if args.enable_prefix_caching:
+        raise SystemExit(
+            "vlens serve: --enable-prefix-caching is not supported: a prefix-cache hit skips the "
+            "forward over cached prompt tokens, so their activations and steering would be lost"
+        )
+    args.enable_prefix_caching = False
+    if compiled and args.enforce_eager:
+        raise SystemExit(
+            "vlens serve: --enforce-eager contradicts --compiled-capture/--compiled-steering, "
+            "which need vLLM's compiled mode"
+        )
+    args.enforce_eager = not compiled
+    if getattr(args, "worker_extension_cls", ""):
+        raise SystemExit(
+            "vlens serve: --worker-extension-cls is vlens's own "
+            f"({WORKER_EXTENSION['worker_extension_cls']}); leave it out"
+        )
+    args.worker_extension_cls = WORKER_EXTENSION["worker_extension_cls"]
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        if args.kv_cache_memory_bytes is None and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+            args.kv_cache_memory_bytes = CPU_KV_CACHE_BYTES
+        ranks = int(args.tensor_parallel_size or 1)
+        if ranks > 1:
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cores_per_rank(ranks))
+    if compiled:
+        # vLLM would otherwise reuse a graph compiled without vlens's hooks from its disk cache.
+        os.environ["VLLM_DISABLE_COMPILE_CACHE"] = "1"
+
+
+def read_vectors(path: Path | None) -> dict[str, Tensor]:
+    """The named vectors of ``--vectors`` (as float32)."""
+    if path is None:
+        return {}
+    if not path.is_file():
+        raise SystemExit(f"vlens serve: --vectors {path}: no such file")
+    return {name: value.to(torch.float32) for name, value in load_file(str(path)).items()}
+
+
+def read_steered_models(specs: list[str], vectors: dict[str, Tensor]) -> dict[str, dict]:
+    """``--steered-model NAME=FILE``: each name's ``vlens`` object, checked as a request's is."""
+    models: dict[str, dict] = {}
+    for spec in specs:
+        name, _, file = spec.partition("=")
+        if not name or not file:
+            raise SystemExit(f"vlens serve: --steered-model {spec!r}: expected NAME=FILE.json")
+        try:
+            value = json.loads(Path(file).read_text())
+            read_fields(value, vectors)
+        except (OSError, ValueError) as error:
+            raise SystemExit(f"vlens serve: --steered-model {spec}: {error}") from None
+        models[name] = value
+    return models
+
+
+def main(argv: list[str]) -> int:
+    import uvloop
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+
+    vllm = server_functions()
+
+    cli_env_setup()
+    args = parser().parse_args(argv)
+    if args.model_tag is not None:  # vLLM's positional MODEL
+        args.model = args.model_tag
+    compiled = bool(args.compiled_capture or args.compiled_steering)
+    prepare_engine_arguments(args, compiled)
+    vllm.validate_parsed_serve_args(args)
+    served = ServedModel(
+        args.model,
+        args.compiled_capture,
+        args.compiled_steering,
+        {"tensor_parallel_size": args.tensor_parallel_size},
+    )
+    store = ActivationStore(args.activation_store_bytes)
+    vectors = read_vectors(args.vectors)
+    steered_models = read_steered_models(args.steered_model, vectors)
+    for steered in steered_models:
+        served.plan(read_fields(steered_models[steered], vectors))  # names checked before start
+    names = list(args.served_model_name or [args.model])
+    args.served_model_name = names + [name for name in steered_models if name not in names]
+
+    async def serve() -> None:
+        """vLLM's single-process server, its engine client wrapped in vlens's."""
+        listen_address, sock = vllm.setup_server(args, reuse_port=False)
+        try:
+            async with vllm.build_async_engine_client(args) as engine:
+                SERVING.client = VlensEngineClient(engine, served, vectors, store, steered_models)
+                shutdown = await vllm.build_and_serve(SERVING.client, listen_address, sock, args)
+            await shutdown
+        finally:
+            sock.close()
+
+    with graph_names_for_workers(served.graph_names) as graph_args, plugins_except(
+        FOREIGN_PLUGINS, endpoints=frozenset({VlensRoutes.name})
+    ):
+        if "worker_cls" in graph_args:
+            args.worker_cls = graph_args["worker_cls"]
+        uvloop.run(serve())
+    return 0
