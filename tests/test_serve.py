@@ -369,3 +369,16 @@ def test_steering_fields_read_into_steers():
     assert first.add is up and first.scale == 2.0 and first.positions == slice(1, None)
     assert second.ablate.tolist() == [1.0, 0.0] and second.gain.tolist() == [2.0, 3.0]
     assert third.gain == 0.5 and fields.capture == ("d",)
+
+
+@pytest.mark.parametrize("options, message", [
+    (["/nonexistent"], "is not a checkpoint folder"),
+    ([MODEL, "--compiled-steering", "blocks.0.hook_resid_pots"], "Did you mean"),
+    ([MODEL, "--enable-prefix-caching"], "prefix-cache hit"),
+], ids=["folder", "compiled name", "prefix caching"])
+def test_what_a_server_cannot_serve_is_refused_before_it_starts(options, message):
+    import subprocess
+
+    result = subprocess.run([sys.executable, "-m", "vlens.cli", "serve", *options],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0 and message in result.stderr.splitlines()[-1]

@@ -138,17 +138,30 @@ def main(argv: list[str]) -> int:
     compiled = bool(args.compiled_capture or args.compiled_steering)
     prepare_engine_arguments(args, compiled)
     vllm.validate_parsed_serve_args(args)
-    served = ServedModel(
-        args.model,
-        args.compiled_capture,
-        args.compiled_steering,
-        {"tensor_parallel_size": args.tensor_parallel_size},
-    )
-    store = ActivationStore(args.activation_store_bytes)
-    vectors = read_vectors(args.vectors)
-    steered_models = read_steered_models(args.steered_model, vectors)
-    for steered in steered_models:
-        served.plan(read_fields(steered_models[steered], vectors))  # names checked before start
+    if (getattr(args, "api_server_count", None) or 1) > 1:
+        raise SystemExit(
+            "vlens serve: --api-server-count above 1 is not supported: captures wait in the "
+            "API process that served their request"
+        )
+    if not Path(args.model).is_dir():
+        raise SystemExit(
+            f"vlens serve: {args.model!r} is not a checkpoint folder (vlens reads the model's "
+            "config, tokenizer and weights from one)"
+        )
+    try:  # what the user can fix, said in one line before anything starts
+        served = ServedModel(
+            args.model,
+            args.compiled_capture,
+            args.compiled_steering,
+            {"tensor_parallel_size": args.tensor_parallel_size},
+        )
+        store = ActivationStore(args.activation_store_bytes)
+        vectors = read_vectors(args.vectors)
+        steered_models = read_steered_models(args.steered_model, vectors)
+        for steered in steered_models:
+            served.plan(read_fields(steered_models[steered], vectors))
+    except (OSError, ValueError, KeyError, NotImplementedError) as error:
+        raise SystemExit(f"vlens serve: {error}") from None
     names = list(args.served_model_name or [args.model])
     args.served_model_name = names + [name for name in steered_models if name not in names]
 
