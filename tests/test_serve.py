@@ -177,19 +177,26 @@ def test_a_bad_vlens_field_is_a_400_that_names_it(client, server, fields, messag
     assert message in str(raised.value)
 
 
-def test_a_streamed_completion_is_steered_as_a_whole_one(client):
-    fields = {"steering": [{"name": STEERED, "add": "up", "scale": 6.0}]}
-    whole = new_tokens(complete(client, prompt_of(7), fields))
-    chunks = complete(client, prompt_of(7), fields, stream=True)
-    assert [t for chunk in chunks for t in chunk.choices[0].model_extra["token_ids"]] == whole
+def test_a_streamed_completion_is_steered_and_captured_as_a_whole_one(client, server):
+    fields = {"steering": [{"name": STEERED, "add": "up", "scale": 6.0}],
+              "capture": ["blocks.1.hook_resid_post"]}
+    whole = complete(client, prompt_of(7), fields)
+    chunks = list(complete(client, prompt_of(7), fields, stream=True))
+    streamed = [t for chunk in chunks if chunk.choices for t in chunk.choices[0].model_extra["token_ids"]]
+    assert streamed == new_tokens(whole)
+    last = chunks[-1]  # no choices: the capture, as a whole response carries it
+    assert not last.choices and last.model_extra["vlens"]["names"] == whole.model_extra["vlens"]["names"]
+    streamed_values = load(fetch(server, last.model_extra["vlens"]["activations"]))
+    whole_values = load(fetch(server, whole.model_extra["vlens"]["activations"]))
+    assert torch.equal(streamed_values["blocks.1.hook_resid_post"], whole_values["blocks.1.hook_resid_post"])
 
 
 def test_what_vlens_fields_cannot_combine_with_is_a_400_and_the_server_keeps_serving(client):
     capture = {"capture": ["blocks.0.hook_resid_post"]}
     with pytest.raises(openai.BadRequestError, match="n=1"):
         complete(client, prompt_of(5), capture, n=2)
-    with pytest.raises(openai.BadRequestError, match="stream: false"):
-        complete(client, prompt_of(5), capture, stream=True)
+    with pytest.raises(openai.BadRequestError, match="takes one prompt"):
+        complete(client, [prompt_of(5), prompt_of(6)], capture, stream=True)
     with pytest.raises(openai.BadRequestError, match="reserved"):  # posing as another request
         client.completions.create(prompt=prompt_of(5), **GREEDY,
                                   extra_body={"vllm_xargs": {"vlens_tag": "serve-0:0"}})
@@ -380,5 +387,5 @@ def test_what_a_server_cannot_serve_is_refused_before_it_starts(options, message
     import subprocess
 
     result = subprocess.run([sys.executable, "-m", "vlens.cli", "serve", *options],
-                            capture_output=True, text=True, timeout=300)
+                            capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode != 0 and message in result.stderr.splitlines()[-1]

@@ -85,20 +85,29 @@ class VlensEngineClient:
         extra[TAG_KEY] = tag
         sampling_params.extra_args = extra
         await self._on_workers("prepare", {tag: planned.plan})
-        final = None
+        from vllm.sampling_params import RequestOutputKind
+
+        deltas = sampling_params.output_kind == RequestOutputKind.DELTA  # streamed: new tokens only
+        prompt_tokens: list[int] | None = None
+        sampled: list[int] = []
         try:
             async for output in self._engine.generate(
                 prompt, sampling_params, request_id, *args, **kwargs
             ):
-                final = output
+                if prompt_tokens is None and output.prompt_token_ids is not None:
+                    prompt_tokens = list(output.prompt_token_ids)
+                new = list(output.outputs[0].token_ids) if output.outputs else []
+                if deltas:
+                    sampled.extend(new)
+                else:
+                    sampled = new
                 yield output
         finally:
             handback: Handback = (await self._on_workers("finish", [tag], "cpu"))[0]
-        if planned.names and final is not None:
-            prompt, sampled = list(final.prompt_token_ids), list(final.outputs[0].token_ids)
+        if planned.names and prompt_tokens is not None:
             # Off the event loop: assembling and serialising a capture is tensor work.
             values = await asyncio.to_thread(
-                self.served.activations, planned, tag, handback, prompt, sampled
+                self.served.activations, planned, tag, handback, prompt_tokens, sampled
             )
             key = await asyncio.to_thread(self.store.put, values)
             shapes = {name: list(value.shape) for name, value in values.items()}

@@ -13,12 +13,12 @@ Being routes of vLLM's app, they sit behind its middleware, ``--api-key`` includ
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
@@ -112,7 +112,12 @@ async def _with_vlens_fields(path: str, request: Any, raw_request: Request) -> R
         return _error(400, str(error), "vlens")
     request.vllm_xargs = {**(request.vllm_xargs or {}), FIELDS_KEY: json.dumps(value)}
     response = await original(request=request, raw_request=raw_request)
-    if not fields.capture or not isinstance(response, JSONResponse) or response.status_code != 200:
+    if not fields.capture or response.status_code != 200:
+        return response
+    if isinstance(response, StreamingResponse):
+        response.body_iterator = _captures_before_done(response.body_iterator, path, client)
+        return response
+    if not isinstance(response, JSONResponse):
         return response
     body = json.loads(response.body)
     for choice in body.get("choices", []):
@@ -124,6 +129,28 @@ async def _with_vlens_fields(path: str, request: Any, raw_request: Request) -> R
         body["vlens"] = body["choices"][0]["vlens"]
     headers = {k: v for k, v in response.headers.items() if k.lower() != "content-length"}
     return JSONResponse(body, status_code=response.status_code, headers=headers)
+
+
+async def _captures_before_done(
+    chunks: AsyncIterator[str | bytes], path: str, client: VlensEngineClient
+) -> AsyncIterator[str | bytes]:
+    """A streamed response's events, with one more before ``data: [DONE]``: no choices, and the
+    ``vlens`` field of the request's capture (stored by then: the engine client finishes the
+    request before vLLM's stream ends)."""
+    first: dict | None = None
+    async for chunk in chunks:
+        text = chunk.decode() if isinstance(chunk, bytes) else chunk
+        if first is None and text.startswith("data: {"):
+            first = json.loads(text[len("data: "):])
+        if text.strip() == "data: [DONE]" and first is not None:
+            key = f"{first['id']}-0" if path == COMPLETIONS else first["id"]
+            captured = client.captured.pop(key, None)
+            if captured is not None:
+                final = {key: first[key] for key in ("id", "object", "created", "model")}
+                final["choices"] = []
+                final["vlens"] = {"activations": captured.activations, "names": captured.names}
+                yield f"data: {json.dumps(final)}\n\n"
+        yield chunk
 
 
 def with_steered_model(value: Any, steered_model: dict | None) -> Any:
@@ -143,8 +170,13 @@ def _check_request(request: Any, captures: bool) -> None:
         raise BadVlensField("vlens fields need n=1 (send one request per sample)")
     if getattr(request, "use_beam_search", False):
         raise BadVlensField("vlens fields cannot be combined with beam search")
-    if captures and getattr(request, "stream", False):
-        raise BadVlensField("vlens.capture needs a non-streaming request (stream: false)")
+    prompt = getattr(request, "prompt", None)
+    several = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
+    if captures and getattr(request, "stream", False) and several and len(prompt) > 1:
+        raise BadVlensField(
+            "a streamed request that captures takes one prompt (its capture comes in the "
+            "stream's last event); send one request per prompt, or stream: false"
+        )
 
 
 def _client() -> VlensEngineClient:
