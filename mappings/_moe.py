@@ -188,17 +188,21 @@ def moe_member(
     tiny_configs: dict[str, Callable[[], Any]],
     moe_names: tuple[str, ...] = ROUTING_NAMES,
     is_moe_layer: Callable[[Any, int], bool] | None = None,
+    tensor_parallel: bool = True,
 ) -> ArchitectureMapping:
     """A dense family's member whose MLPs are mixtures of experts (``moe_names`` on MoE layers):
     the family's weights without the MLP's, the graph tier (every name reads the same traced as
-    eager: ``tests/test_compiled.py``), no tensor parallelism yet, a routed
+    eager: ``tests/test_compiled.py``), the family's tensor parallelism unless
+    ``tensor_parallel`` is False (vLLM reduces a MoE block's output over ranks inside the block,
+    so the routing names and ``hook_mlp_out`` are whole on every rank; the attention's split
+    values are the family's: ``tests/test_tensor_parallel.py``), a routed
     expert's names refused (and the family's windowed names), HuggingFace's reference from
     ``parity/hf_moe.py``. With ``is_moe_layer`` only the layers it picks are MoE layers
     (:class:`MoeLayers`); the others keep the dense MLP."""
     differences = dict(
         hook_specs=hook_specs,
         weights=moe_weights(family.weights),
-        tensor_parallel=False,
+        tensor_parallel=tensor_parallel,
         compiled_graph=True,
         unavailable=FirstReason(
             (RoutedExpertRefusal((*moe_names, f"{BLOCK}.hook_mlp_out")), windowed_name_error)

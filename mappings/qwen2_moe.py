@@ -75,4 +75,8 @@ MAPPING = moe_member(
     tiny_configs={"qwen2_moe": tiny_config},
     moe_names=MOE_NAMES,
     is_moe_layer=is_moe_layer,
+    # Under TP vLLM builds the shared expert with reduce_results=False: each rank holds a partial
+    # sum of mlp.hook_shared_out until the block's one all-reduce, a value vlens's shards (which
+    # concatenate) cannot gather yet.
+    tensor_parallel=False,
 )
