@@ -110,3 +110,14 @@ def test_rows_past_a_request_s_end_are_left_out():
     assert value.squeeze(-1).tolist() == [[0, 1, 2, 10], [3, 4, 0, 0]]
     with pytest.raises(RuntimeError, match="captured 2 positions, expected 4"):  # short stays short
         padded_batch("x", [[Chunk(0, rows(3, 4))]], None, [4])
+
+
+def test_keep_only_forgets_the_steps_no_running_request_has_rows_in():
+    store = StepStore()
+    only_a, a_and_b = [Segment("a", 1, 0)], [Segment("a", 1, 1), Segment("b", 2, 0)]
+    store.add("x", only_a, torch.zeros(1, 3))
+    store.add("x", a_and_b, torch.ones(3, 3))
+    store.add("y", only_a, torch.zeros(1, 3))
+    store.keep_only({"b"})
+    assert list(store.entries) == ["x"] and len(store.entries["x"]) == 1
+    assert store.entries["x"][0][0] is a_and_b

@@ -17,7 +17,10 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
+import cloudpickle
+
 from vlens.process_groups import ensure_expert_group
+from vlens.runtime import shared_tensors
 from vlens.runtime.graph import GraphName
 from vlens.runtime.graph_worker import graph_names_for_workers
 from vlens.runtime.messages import (
@@ -62,24 +65,13 @@ class Engine:
         # The engine core runs in this process, so that user hook functions and captured tensors
         # need no serialisation on one device. Read by vLLM when the engine is built.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        if graph_names:
-            # vLLM would otherwise reuse a graph compiled before (without vlens's hooks) from
-            # its on-disk cache, and the declared names would silently never be read.
-            os.environ["VLLM_DISABLE_COMPILE_CACHE"] = "1"
-        if _on_cpu():
-            user_args = {**cpu_defaults, **user_args}
-            if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:  # vLLM's legacy setting wins
-                # vLLM's CPU default reserves a share of the machine's memory for every engine.
-                user_args.setdefault("kv_cache_memory_bytes", CPU_KV_CACHE_BYTES)
-            if ranks > 1:
-                os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cores_per_rank(ranks))
+        args = prepare_engine(user_args, bool(graph_names), cpu_defaults)
         from vllm import LLM, envs
 
         # An engine already built in this process froze vLLM's view of the environment; the
         # settings above are for this engine.
         envs.disable_envs_cache()
         ensure_expert_group()
-        args = {**engine_args(user_args, compiled=bool(graph_names)), **WORKER_EXTENSION}
         with graph_names_for_workers(graph_names) as graph_args, plugins_except(FOREIGN_PLUGINS):
             self.llm = LLM(model=model_path, **args, **graph_args)
         self.compiled = bool(graph_names)
@@ -208,6 +200,29 @@ class Engine:
         return self._on_workers(method, *args)[0]
 
 
+def prepare_engine(
+    user_args: Mapping[str, Any], compiled: bool, cpu_defaults: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The engine arguments of a vlens engine (the user's, with vlens's defaults and refusals,
+    ``cpu_defaults``: what the architecture needs on vLLM's CPU backend, and vlens's worker
+    extension), after setting the environment vLLM reads while it builds one. Shared by
+    ``HookedVLLM``'s engine and ``vlens serve``."""
+    user_args = dict(user_args)
+    if compiled:
+        # vLLM would otherwise reuse a graph compiled before (without vlens's hooks) from
+        # its on-disk cache, and the declared names would silently never be read.
+        os.environ["VLLM_DISABLE_COMPILE_CACHE"] = "1"
+    if _on_cpu():
+        user_args = {**cpu_defaults, **user_args}
+        if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:  # vLLM's legacy setting wins
+            # vLLM's CPU default reserves a share of the machine's memory for every engine.
+            user_args.setdefault("kv_cache_memory_bytes", CPU_KV_CACHE_BYTES)
+        ranks = int(user_args.get("tensor_parallel_size") or 1)
+        if ranks > 1:
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cores_per_rank(ranks))
+    return {**engine_args(user_args, compiled=compiled), **WORKER_EXTENSION}
+
+
 class WorkerCall:
     """One call of ``WorkerRuntime.<method>(*args)`` in vLLM's worker processes, through their
     ``vlens_call``: :attr:`arguments` for ``collective_rpc``, and :meth:`results` to read what the
@@ -215,24 +230,16 @@ class WorkerCall:
     the ``with`` block removes those no result took (a rank failed)."""
 
     def __init__(self, method: str, args: tuple) -> None:
-        import cloudpickle
-
-        from vlens.runtime import shared_tensors
-
         self.label = f"{os.getpid()}-{next(_rpc_ids)}"
         self.arguments = (method, cloudpickle.dumps(args), self.label, shared_tensors.this_machine())
 
     def results(self, returned: Sequence[bytes]) -> list[Any]:
-        from vlens.runtime import shared_tensors
-
         return [shared_tensors.loads(result) for result in returned]
 
     def __enter__(self) -> WorkerCall:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        from vlens.runtime import shared_tensors
-
         shared_tensors.remove_unread(self.label)
 
 

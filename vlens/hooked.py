@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 from jaxtyping import Float, Int
@@ -125,27 +125,17 @@ class HookedVLLM(TokenMethods, GenerateMethods, ModelViews):
         into the graph: much faster generation, but only the declared names, and steering as
         data instead of hook functions.
         """
-        config = AutoConfig.from_pretrained(path)
-        mapping = mapping_for(config)
-        wants_graph = bool(compiled_capture or compiled_steering)
-        check_loadable(mapping, config.architectures[0], engine_kwargs, wants_graph)
-        compiled = None
-        if wants_graph:
-            specs = all_specs(mapping, config)
-            compiled = declare(
-                specs, config, compiled_capture, compiled_steering, mapping.unavailable
-            )
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        graph_names = compiled.graph_names if compiled else ()
-        engine_kwargs = {**model_impl_args(mapping), **engine_kwargs}
-        engine = Engine(str(path), graph_names, mapping.cpu_engine_args, **engine_kwargs)
+        model = checkpoint_of(path, compiled_capture, compiled_steering, engine_kwargs)
+        graph_names = model.compiled.graph_names if model.compiled else ()
+        engine_kwargs = {**model_impl_args(model.mapping), **engine_kwargs}
+        engine = Engine(str(path), graph_names, model.mapping.cpu_engine_args, **engine_kwargs)
         return cls(
             engine,
             Path(path),
-            config,
-            tokenizer,
-            mapping,
-            compiled,
+            model.config,
+            model.tokenizer,
+            model.mapping,
+            model.compiled,
             default_prepend_bos,
             default_padding_side,
         )
@@ -380,6 +370,34 @@ class HookedVLLM(TokenMethods, GenerateMethods, ModelViews):
 
     def set_use_attn_in(self, use_attn_in: bool) -> None:
         """Accepted: ``hook_attn_in`` is always offered."""
+
+
+class Checkpoint(NamedTuple):
+    """What a model is made of before its engine: config, mapping, compiled names, tokenizer."""
+
+    config: PretrainedConfig
+    mapping: ArchitectureMapping
+    compiled: CompiledNames | None
+    tokenizer: PreTrainedTokenizerBase
+
+
+def checkpoint_of(
+    path: str | Path,
+    compiled_capture: NamesFilter | Sequence[str],
+    compiled_steering: NamesFilter | Sequence[str],
+    engine_kwargs: dict[str, Any],
+) -> Checkpoint:
+    """A checkpoint's config and mapping, refused before any engine starts where vlens cannot
+    serve it with these engine arguments, and its compiled names declared (None: eager)."""
+    config = AutoConfig.from_pretrained(path)
+    mapping = mapping_for(config)
+    wants_graph = bool(compiled_capture or compiled_steering)
+    check_loadable(mapping, config.architectures[0], engine_kwargs, wants_graph)
+    compiled = None
+    if wants_graph:
+        specs = all_specs(mapping, config)
+        compiled = declare(specs, config, compiled_capture, compiled_steering, mapping.unavailable)
+    return Checkpoint(config, mapping, compiled, AutoTokenizer.from_pretrained(path))
 
 
 def all_specs(mapping: ArchitectureMapping, config: PretrainedConfig) -> dict[str, Spec]:

@@ -7,9 +7,9 @@ copied several times on the way (serialised, sent, received, rebuilt). Instead e
 copied once into a file in ``/dev/shm`` (memory, not disk), and only its path, dtype and shape are
 pickled; the user's process maps the file as the tensor's storage (no copy) and removes its name at
 once, so the memory is freed with the tensor. A worker on another machine (a Ray cluster's node)
-pickles its tensors whole: the files would not be there. Files are named after the call that made them, and
-the user's process removes what a call left unread (a rank failed, so no result was read) when it
-ends: no file outlives its call.
+pickles its tensors whole: the files would not be there. Files are named after the call that made
+them, and the user's process removes what a call left unread (a rank failed, so no result was
+read) when it ends: no file outlives its call.
 """
 
 from __future__ import annotations

@@ -74,8 +74,12 @@ class StepStore:
         """Forget the steps none of whose rows belong to ``tags`` (the requests still running):
         where requests keep arriving, the store never empties, and finished requests' steps
         would otherwise stay."""
+        alive: dict[int, bool] = {}  # per segments list: names read in one step share theirs
         for name, steps in list(self.entries.items()):
-            live = [step for step in steps if any(segment.tag in tags for segment in step[0])]
+            for segments, _ in steps:
+                if id(segments) not in alive:
+                    alive[id(segments)] = any(segment.tag in tags for segment in segments)
+            live = [step for step in steps if alive[id(step[0])]]
             if live:
                 self.entries[name] = live
             else:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor
+from vllm.sampling_params import RequestOutputKind
 
 from vlens.engine import WorkerCall
 from vlens.runtime.messages import TAG_KEY, Handback
@@ -85,8 +86,6 @@ class VlensEngineClient:
         extra[TAG_KEY] = tag
         sampling_params.extra_args = extra
         await self._on_workers("prepare", {tag: planned.plan})
-        from vllm.sampling_params import RequestOutputKind
-
         deltas = sampling_params.output_kind == RequestOutputKind.DELTA  # streamed: new tokens only
         prompt_tokens: list[int] | None = None
         sampled: list[int] = []

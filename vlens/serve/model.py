@@ -16,17 +16,14 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from transformers import AutoConfig, AutoTokenizer
 
 from vlens.cache import assemble
-from vlens.compiled import CompiledNames, declare
+from vlens.compiled import CompiledNames
 from vlens.engine import Run
-from vlens.hooked import HookedVLLM, all_specs
-from vlens.mappings import mapping_for
+from vlens.hooked import HookedVLLM, checkpoint_of
 from vlens.names import select_names
 from vlens.runtime.messages import Handback, HookError, RequestPlan
 from vlens.serve.fields import BadVlensField, VlensFields
-from vlens.support import check_loadable
 
 
 @dataclass(frozen=True)
@@ -56,25 +53,17 @@ class ServedModel:
         compiled_steering: Sequence[str] = (),
         engine_args: dict[str, Any] | None = None,
     ) -> None:
-        config = AutoConfig.from_pretrained(path)
-        mapping = mapping_for(config)
-        compiled_graph = bool(compiled_capture or compiled_steering)
-        check_loadable(mapping, config.architectures[0], engine_args or {}, compiled_graph)
-        self.compiled: CompiledNames | None = None
-        if compiled_graph:
-            specs = all_specs(mapping, config)
-            self.compiled = declare(
-                specs, config, list(compiled_capture), list(compiled_steering), mapping.unavailable
-            )
-        self.mapping = mapping
+        model = checkpoint_of(path, compiled_capture, compiled_steering, engine_args or {})
+        self.compiled: CompiledNames | None = model.compiled
+        self.mapping = model.mapping
         ranks = int((engine_args or {}).get("tensor_parallel_size", 1))
         self.model = HookedVLLM(
             _EngineElsewhere(ranks),  # type: ignore[arg-type]
             Path(path),
-            config,
-            AutoTokenizer.from_pretrained(path),
-            mapping,
-            self.compiled,
+            model.config,
+            model.tokenizer,
+            model.mapping,
+            model.compiled,
         )
 
     @property

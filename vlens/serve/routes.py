@@ -121,10 +121,9 @@ async def _with_vlens_fields(path: str, request: Any, raw_request: Request) -> R
         return response
     body = json.loads(response.body)
     for choice in body.get("choices", []):
-        key = f"{body['id']}-{choice['index']}" if path == COMPLETIONS else body["id"]
-        captured = client.captured.pop(key, None)
-        if captured is not None:
-            choice["vlens"] = {"activations": captured.activations, "names": captured.names}
+        field = _claim_capture(client, path, body["id"], choice["index"])
+        if field is not None:
+            choice["vlens"] = field
     if len(body.get("choices", [])) == 1 and "vlens" in body["choices"][0]:
         body["vlens"] = body["choices"][0]["vlens"]
     headers = {k: v for k, v in response.headers.items() if k.lower() != "content-length"}
@@ -143,14 +142,24 @@ async def _captures_before_done(
         if first is None and text.startswith("data: {"):
             first = json.loads(text[len("data: "):])
         if text.strip() == "data: [DONE]" and first is not None:
-            key = f"{first['id']}-0" if path == COMPLETIONS else first["id"]
-            captured = client.captured.pop(key, None)
-            if captured is not None:
-                final = {key: first[key] for key in ("id", "object", "created", "model")}
-                final["choices"] = []
-                final["vlens"] = {"activations": captured.activations, "names": captured.names}
-                yield f"data: {json.dumps(final)}\n\n"
+            field = _claim_capture(client, path, first["id"], 0)
+            if field is not None:
+                final = {part: first[part] for part in ("id", "object", "created", "model")}
+                yield f"data: {json.dumps({**final, 'choices': [], 'vlens': field})}\n\n"
         yield chunk
+
+
+def _claim_capture(
+    client: VlensEngineClient, path: str, response_id: str, index: int
+) -> dict[str, Any] | None:
+    """The ``vlens`` field of choice ``index`` of a response, taken from what the engine client
+    kept under the request id vLLM's handler gave that choice's engine request (completions:
+    ``{response id}-{prompt index}``; chat: the response id)."""
+    key = f"{response_id}-{index}" if path == COMPLETIONS else response_id
+    captured = client.captured.pop(key, None)
+    if captured is None:
+        return None
+    return {"activations": captured.activations, "names": captured.names}
 
 
 def with_steered_model(value: Any, steered_model: dict | None) -> Any:

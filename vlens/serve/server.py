@@ -12,20 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
 from torch import Tensor
 
-from vlens.engine import (
-    CPU_KV_CACHE_BYTES,
-    FOREIGN_PLUGINS,
-    WORKER_EXTENSION,
-    cores_per_rank,
-    plugins_except,
-)
+from vlens.engine import FOREIGN_PLUGINS, plugins_except, prepare_engine
 from vlens.runtime.graph_worker import graph_names_for_workers
 from vlens.serve.engine_client import VlensEngineClient
 from vlens.serve.fields import read_fields
@@ -33,6 +27,7 @@ from vlens.serve.model import ServedModel
 from vlens.serve.routes import SERVING, VlensRoutes
 from vlens.serve.store import ActivationStore
 from vlens.serve.vllm_server import server_functions
+from vlens.support import model_impl_args
 
 #: The activation store's bound unless ``--activation-store-bytes`` is given.
 DEFAULT_STORE_BYTES = 2**30
@@ -66,38 +61,9 @@ def parser() -> argparse.ArgumentParser:
     return serve
 
 
-def prepare_engine_arguments(args: argparse.Namespace, compiled: bool) -> None:
-    """vlens's engine settings on the parsed ``vllm serve`` options, refusing what it cannot
-    honour."""
-    if args.enable_prefix_caching:
-        raise SystemExit(
-            "vlens serve: --enable-prefix-caching is not supported: a prefix-cache hit skips the "
-            "forward over cached prompt tokens, so their activations and steering would be lost"
-        )
-    args.enable_prefix_caching = False
-    if compiled and args.enforce_eager:
-        raise SystemExit(
-            "vlens serve: --enforce-eager contradicts --compiled-capture/--compiled-steering, "
-            "which need vLLM's compiled mode"
-        )
-    args.enforce_eager = not compiled
-    if getattr(args, "worker_extension_cls", ""):
-        raise SystemExit(
-            "vlens serve: --worker-extension-cls is vlens's own "
-            f"({WORKER_EXTENSION['worker_extension_cls']}); leave it out"
-        )
-    args.worker_extension_cls = WORKER_EXTENSION["worker_extension_cls"]
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cpu():
-        if args.kv_cache_memory_bytes is None and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
-            args.kv_cache_memory_bytes = CPU_KV_CACHE_BYTES
-        ranks = int(args.tensor_parallel_size or 1)
-        if ranks > 1:
-            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cores_per_rank(ranks))
-    if compiled:
-        # vLLM would otherwise reuse a graph compiled without vlens's hooks from its disk cache.
-        os.environ["VLLM_DISABLE_COMPILE_CACHE"] = "1"
+def explicit_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, Any]:
+    """The options given on the command line (those whose value is not the parser's default)."""
+    return {key: value for key, value in vars(args).items() if value != parser.get_default(key)}
 
 
 def read_vectors(path: Path | None) -> dict[str, Tensor]:
@@ -132,11 +98,11 @@ def main(argv: list[str]) -> int:
     vllm = server_functions()
 
     cli_env_setup()
-    args = parser().parse_args(argv)
+    options = parser()
+    args = options.parse_args(argv)
     if args.model_tag is not None:  # vLLM's positional MODEL
         args.model = args.model_tag
     compiled = bool(args.compiled_capture or args.compiled_steering)
-    prepare_engine_arguments(args, compiled)
     vllm.validate_parsed_serve_args(args)
     if (getattr(args, "api_server_count", None) or 1) > 1:
         raise SystemExit(
@@ -149,12 +115,12 @@ def main(argv: list[str]) -> int:
             "config, tokenizer and weights from one)"
         )
     try:  # what the user can fix, said in one line before anything starts
-        served = ServedModel(
-            args.model,
-            args.compiled_capture,
-            args.compiled_steering,
-            {"tensor_parallel_size": args.tensor_parallel_size},
-        )
+        user_args = explicit_options(options, args)
+        served = ServedModel(args.model, args.compiled_capture, args.compiled_steering, user_args)
+        user_args = {**model_impl_args(served.mapping), **user_args}
+        engine = prepare_engine(user_args, compiled, served.mapping.cpu_engine_args)
+        for key, value in engine.items():  # as vLLM's serve options
+            setattr(args, key, value)
         store = ActivationStore(args.activation_store_bytes)
         vectors = read_vectors(args.vectors)
         steered_models = read_steered_models(args.steered_model, vectors)
