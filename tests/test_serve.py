@@ -378,6 +378,16 @@ def test_steering_fields_read_into_steers():
     assert third.gain == 0.5 and fields.capture == ("d",)
 
 
+@pytest.mark.parametrize("vector", [
+    [1.0, True], [1.0, "2"], [1.0, None], [[1.0], [2.0]], [1.0, [2.0]], [], {"0": 1.0},
+], ids=["boolean", "string", "null", "nested", "ragged", "empty", "object"])
+def test_vector_fields_that_are_not_arrays_of_numbers_are_refused(vector):
+    from vlens.serve.fields import BadVlensField, read_fields
+
+    with pytest.raises(BadVlensField, match=r"vlens.steering\[0\].add must be a non-empty array"):
+        read_fields({"steering": [{"name": "a", "add": vector}]}, {})
+
+
 @pytest.mark.parametrize("options, message", [
     (["/nonexistent"], "is not a checkpoint folder"),
     ([MODEL, "--compiled-steering", "blocks.0.hook_resid_pots"], "Did you mean"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import os
 
+import pytest
 import torch
 
 from vlens.runtime import shared_tensors
@@ -50,3 +51,43 @@ def test_a_reader_on_another_machine_gets_the_tensors_in_the_pickle():
     payload = shared_tensors.dumps(value, "test-3", "another-host/boot")
     assert len(payload) > value.numel() * 4 and _leftover_files() == before
     assert torch.equal(shared_tensors.loads(payload), value)
+
+
+def _hand_back_on_gpu(connection) -> None:
+    """A worker's side: tensors on its GPU, pickled for a reader on this machine; it stays
+    alive until the reader has copied them (as a vLLM worker does)."""
+    generator = torch.Generator().manual_seed(3)
+    value = {"rows": PaddedRows(torch.randn(300, 64, generator=generator).cuda(), [[(0, 300)]]),
+             "bf16": torch.randn(4, 1 << 18, generator=generator).to(torch.bfloat16).cuda()[1:3]}
+    connection.send(shared_tensors.dumps(value, "test-4", shared_tensors.this_machine()))
+    connection.recv()
+    del value
+    shared_tensors.collect_handed_back()
+    connection.send(torch.cuda.memory_allocated())
+
+
+# Not torch.cuda.is_available(): asking the driver at collection would make vLLM's later forked
+# workers (other test files) fail to start CUDA.
+@pytest.mark.skipif(torch.version.cuda is None or not os.path.exists("/dev/nvidiactl"),
+                    reason="CUDA IPC needs a GPU")
+def test_tensors_on_a_workers_gpu_cross_as_handles_and_are_copied_to_the_host():
+    import multiprocessing
+
+    generator = torch.Generator().manual_seed(3)
+    rows = torch.randn(300, 64, generator=generator)
+    bf16 = torch.randn(4, 1 << 18, generator=generator).to(torch.bfloat16)[1:3]
+    ours, theirs = multiprocessing.get_context("spawn").Pipe()
+    worker = multiprocessing.get_context("spawn").Process(target=_hand_back_on_gpu, args=(theirs,))
+    worker.start()
+    try:
+        payload = ours.recv()
+        assert len(payload) < 10_000  # handles, not values
+        back = shared_tensors.loads(payload, "cpu")
+        assert back["rows"].values.device.type == "cpu" and back["rows"].values.is_pinned()
+        assert torch.equal(back["rows"].values, rows) and back["rows"].spans == [[(0, 300)]]
+        assert back["bf16"].dtype == torch.bfloat16 and torch.equal(back["bf16"], bf16)
+        ours.send("copied")
+        assert ours.recv() == 0  # the worker freed its memory once this process let go of it
+    finally:
+        worker.join(timeout=60)
+    assert worker.exitcode == 0

@@ -27,7 +27,8 @@ def test_every_name_equals_one_rank(two_ranks, hooked):
     # Two ranks sum partial products in another order (all-reduce): fp32 rounding, far below
     # any misplaced head or shard (errors of order 1).
     for name in expected.keys():
-        torch.testing.assert_close(cache[name], expected[name], rtol=1e-4, atol=1e-4, msg=name)
+        torch.testing.assert_close(cache[name], expected[name], rtol=1e-4, atol=1e-4,
+                                   msg=lambda m, name=name: f"{name}: {m}")
     torch.testing.assert_close(logits, expected_logits, rtol=1e-4, atol=1e-4)
 
 
@@ -97,7 +98,8 @@ def test_compiled_two_ranks_read_every_name_as_one_eager_rank(compiled_two_ranks
     assert {n for n in single.hook_names if not n.startswith("sampler.")} <= set(cache.keys())
     # As above (two ranks' all-reduce), plus Inductor's fusion of the traced hooks (≤ 1e-6).
     for name in expected.keys():
-        torch.testing.assert_close(cache[name], expected[name], rtol=1e-4, atol=1e-4, msg=name)
+        torch.testing.assert_close(cache[name], expected[name], rtol=1e-4, atol=1e-4,
+                                   msg=lambda m, name=name: f"{name}: {m}")
     torch.testing.assert_close(logits, expected_logits, rtol=1e-4, atol=1e-4)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import logging
 import os
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
@@ -18,6 +19,7 @@ from types import MappingProxyType
 from typing import Any
 
 import cloudpickle
+import torch
 
 from vlens.process_groups import ensure_expert_group
 from vlens.runtime import shared_tensors
@@ -33,6 +35,8 @@ from vlens.runtime.messages import (
     RequestPlan,
 )
 from vlens.support import engine_args
+
+logger = logging.getLogger(__name__)
 
 _call_ids = itertools.count()
 _rpc_ids = itertools.count()
@@ -78,6 +82,8 @@ class Engine:
         self.tensor_parallel_size = ranks
         #: workers in this process's own thread: arguments and results need no serialisation
         self.in_process = ranks == 1 and in_process_core(self.llm) is not None
+        #: whether worker processes hand results back on their GPU (None: not checked yet)
+        self._gpu_handback: bool | None = None
         #: a call in progress (a hook function that calls the model again is refused)
         self.running = False
         #: why the engine cannot serve another call, once an interrupted call left it unusable
@@ -138,7 +144,7 @@ class Engine:
                 self.broken = f"aborting its requests failed: {failure!r}"
             raise
         finally:
-            handback: Handback = self._on_driver("finish", tags, device)
+            handback = self.finish(tags, device)
         captures = [handback.captures[tag] for tag in tags]
         for index, capture in enumerate(captures):
             if capture.error is not None:
@@ -150,6 +156,36 @@ class Engine:
             [list(completion.token_ids) for completion in completions],
             [completion.finish_reason for completion in completions],
         )
+
+    def finish(self, tags: list[str], device: str) -> Handback:
+        """What the workers kept for ``tags``, on ``device``. Worker processes on a GPU of this
+        machine hand it back there, as CUDA IPC handles that this process opens and copies once
+        to ``device`` (:mod:`vlens.runtime.shared_tensors`); otherwise the worker copies it to
+        the host and it crosses through shared memory."""
+        if self.in_process or not self.hands_back_on_gpu():
+            return self._on_driver("finish", tags, device)
+        with WorkerCall("finish", (tags, "cuda")) as call:
+            returned = self.llm.collective_rpc("vlens_call", args=call.arguments)
+            return call.results(returned, device)[0]
+
+    def hands_back_on_gpu(self) -> bool:
+        """Whether worker processes hand results back on their GPU: they run on CUDA devices of
+        this machine, and this process opens a tensor one of them hands back (checked once)."""
+        if self._gpu_handback is None:
+            from vllm.platforms import current_platform
+
+            parallel = self.llm.llm_engine.vllm_config.parallel_config
+            self._gpu_handback = False
+            if current_platform.is_cuda() and parallel.distributed_executor_backend == "mp":
+                try:
+                    with WorkerCall("gpu_probe", ()) as call:
+                        returned = self.llm.collective_rpc("vlens_call", args=call.arguments)
+                        probes = call.results(returned, "cpu")
+                    self._gpu_handback = all(torch.equal(p, torch.arange(4.0)) for p in probes)
+                except Exception as failure:  # noqa: BLE001 - the files still work
+                    logger.warning("vlens: results come back through shared memory, since "
+                                   "CUDA IPC failed here: %r", failure)
+        return self._gpu_handback
 
     def abort_unfinished(self) -> None:
         """Abort every request vLLM still holds, and the step it was in, so that the engine
@@ -233,8 +269,9 @@ class WorkerCall:
         self.label = f"{os.getpid()}-{next(_rpc_ids)}"
         self.arguments = (method, cloudpickle.dumps(args), self.label, shared_tensors.this_machine())
 
-    def results(self, returned: Sequence[bytes]) -> list[Any]:
-        return [shared_tensors.loads(result) for result in returned]
+    def results(self, returned: Sequence[bytes], device: str = "cpu") -> list[Any]:
+        """Each rank's result; tensors handed back on a GPU are copied to ``device``."""
+        return [shared_tensors.loads(result, device) for result in returned]
 
     def __enter__(self) -> WorkerCall:
         return self

@@ -23,8 +23,8 @@ from vlens.hook_registry import FwdHooks, HookRegistry, NameOrFilter
 from vlens.mapping import ArchitectureMapping, DerivedSpec, HookSpec, Site, Spec
 from vlens.mappings import mapping_for
 from vlens.memory_budget import check_cache_fits
-from vlens.model_views import ModelViews
 from vlens.model_config import ModelConfig
+from vlens.model_views import ModelViews
 from vlens.names import NamesFilter, select_names
 from vlens.outputs import (
     Output,
@@ -40,7 +40,13 @@ from vlens.raw import RawLocations
 from vlens.readers import OutputOf
 from vlens.runtime.messages import HookFunction
 from vlens.steering import Steer
-from vlens.support import check_cache_device, check_loadable, model_impl_args, refuse_gradients
+from vlens.support import (
+    check_cache_device,
+    check_compiled_tensor_parallel,
+    check_loadable,
+    model_impl_args,
+    refuse_gradients,
+)
 from vlens.tokens import Input, TokenMethods, prepare_tokenizer
 from vlens.weights import CheckpointWeights
 
@@ -396,6 +402,7 @@ def checkpoint_of(
     compiled = None
     if wants_graph:
         specs = all_specs(mapping, config)
+        check_compiled_tensor_parallel(specs, engine_kwargs)
         compiled = declare(specs, config, compiled_capture, compiled_steering, mapping.unavailable)
     return Checkpoint(config, mapping, compiled, AutoTokenizer.from_pretrained(path))
 

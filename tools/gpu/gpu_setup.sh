@@ -12,6 +12,20 @@ rm -rf /tmp/vlens-pkg && mkdir -p /tmp/vlens-pkg
 cp -r "$root/vlens" /tmp/vlens-pkg/vlens
 cp -r "$root/mappings" /tmp/vlens-pkg/vlens/mappings
 cp -r "$root/parity" /tmp/vlens-pkg/vlens/parity
+# Its entry points (vlens serve's endpoint plugin) as a dist-info folder on the path, which is
+# where importlib.metadata finds them.
+python3 - "$root/pyproject.toml" <<'EOF'
+import sys, tomllib
+from pathlib import Path
+project = tomllib.loads(Path(sys.argv[1]).read_text())["project"]
+info = Path(f"/tmp/vlens-pkg/vlens-{project['version']}.dist-info")
+info.mkdir()
+(info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vlens\nVersion: {project['version']}\n")
+groups = project.get("entry-points", {}) | {"console_scripts": project.get("scripts", {})}
+(info / "entry_points.txt").write_text("".join(
+    f"[{group}]\n" + "".join(f"{name} = {target}\n" for name, target in points.items()) + "\n"
+    for group, points in groups.items()))
+EOF
 if compgen -G "$parts/tiny.tar.part.*" > /dev/null && [[ ! -d /tmp/vlens-cache/tiny ]]; then
   mkdir -p /tmp/vlens-cache && cat "$parts"/tiny.tar.part.* | tar xf - -C /tmp/vlens-cache
 fi

@@ -18,3 +18,12 @@ TRITON_F32_DEFAULT=ieee TRITON_CACHE_DIR=/tmp/triton-tp \
 echo "tensor-parallel tests: exit $?"
 tail -2 "$OUT/tests-tp.log"
 grep -h "^FAILED\|^E " "$OUT/tests-tp.log" | head -20
+# Which model runner the compiled Qwen3 failure of session 7 needs: the same tests under V1.
+if [[ -n "${RUNNER_CHECK:-}" ]]; then
+  TRITON_F32_DEFAULT=ieee TRITON_CACHE_DIR=/tmp/triton-tp1 VLLM_USE_V2_MODEL_RUNNER=0 \
+    VLENS_TEST_ENGINE_ARGS='{"gpu_memory_utilization": 0.08, "kv_cache_memory_bytes": 1073741824}' \
+    timeout "$RUNNER_CHECK" python3 -m pytest -q -p no:cacheprovider -k "compiled and qwen3 and not moe" \
+    "$root/tests/test_tensor_parallel.py" > "$OUT/tests-tp-v1.log" 2>&1
+  echo "compiled Qwen3 tests under the V1 runner: exit $?"
+  tail -1 "$OUT/tests-tp-v1.log"
+fi

@@ -10,6 +10,12 @@ once, so the memory is freed with the tensor. A worker on another machine (a Ray
 pickles its tensors whole: the files would not be there. Files are named after the call that made
 them, and the user's process removes what a call left unread (a rank failed, so no result was
 read) when it ends: no file outlives its call.
+
+Tensors a worker hands back on its GPU (``finish`` with ``device="cuda"``, see
+``Engine.finish``) cross as CUDA IPC handles instead: the user's process opens the worker's
+memory and copies it once to where the user wants it (the host: into pinned memory, which torch
+reuses from call to call), with no copy through files; the worker frees its memory once the user's
+process has let go of it (:func:`collect_handed_back`).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 #: Tensors smaller than this are pickled as they are (a file per tensor costs more than a copy).
 MIN_SHARED_BYTES = 1 << 20
@@ -58,9 +65,23 @@ def dumps(value: Any, call: str, reader_machine: str) -> bytes:
     return buffer.getvalue()
 
 
-def loads(payload: bytes) -> Any:
-    """The value :func:`dumps` pickled, its tensors mapped from their files (which are removed)."""
-    return _MappingUnpickler(io.BytesIO(payload)).load()
+def loads(payload: bytes, device: str = "cpu") -> Any:
+    """The value :func:`dumps` pickled, its tensors mapped from their files (which are removed);
+    tensors that crossed as CUDA handles are copied to ``device`` (the host, or this process's
+    own GPU memory)."""
+    unpickler = _MappingUnpickler(io.BytesIO(payload), torch.device(device))
+    value = unpickler.load()
+    if unpickler.opened:
+        torch.cuda.synchronize()  # the copies out of the worker's memory, then let go of it
+        unpickler.opened.clear()
+    return value
+
+
+def collect_handed_back() -> None:
+    """In a worker: free the GPU memory of tensors handed back as CUDA handles that the user's
+    process has let go of (torch keeps it until then, and frees it only when asked)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.ipc_collect()
 
 
 def remove_unread(call: str) -> None:
@@ -75,7 +96,10 @@ class _SharingPickler(pickle.Pickler):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.call = call
 
-    def persistent_id(self, obj: Any) -> tuple[str, str, str, tuple[int, ...]] | None:
+    def persistent_id(self, obj: Any) -> tuple | None:
+        if isinstance(obj, Tensor) and obj.is_cuda:
+            _, handle = reduce_tensor(obj)  # its storage's IPC handle, offsets, and an event
+            return ("cuda-tensor", handle)
         if not isinstance(obj, Tensor) or obj.device.type != "cpu":
             return None
         nbytes = obj.numel() * obj.element_size()
@@ -88,7 +112,15 @@ class _SharingPickler(pickle.Pickler):
 
 
 class _MappingUnpickler(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, device: torch.device) -> None:
+        super().__init__(file)
+        self.device = device
+        #: tensors opened in a worker's GPU memory, held until their copies are done
+        self.opened: list[Tensor] = []
+
     def persistent_load(self, pid: Any) -> Tensor:
+        if pid[0] == "cuda-tensor":
+            return self._copied_out(rebuild_cuda_tensor(*pid[1]))
         kind, path, dtype_name, shape = pid
         if kind != "shared-tensor":
             raise pickle.UnpicklingError(f"unknown persistent id {kind!r}")
@@ -100,6 +132,15 @@ class _MappingUnpickler(pickle.Unpickler):
         finally:
             os.unlink(path)
         return mapped.view(shape)
+
+    def _copied_out(self, opened: Tensor) -> Tensor:
+        """A copy of the worker's ``opened`` tensor on this process's ``device``: the host's
+        through pinned memory, without waiting (:func:`loads` waits once for all)."""
+        self.opened.append(opened)
+        if self.device.type == "cpu":
+            host = torch.empty(opened.shape, dtype=opened.dtype, pin_memory=True)
+            return host.copy_(opened, non_blocking=True)
+        return opened.to(self.device, copy=True)
 
 
 def _folder_for(nbytes: int) -> str:

@@ -43,7 +43,6 @@ from vlens.runtime.sites import NarrowedCall, buffers_of, install_site, read_row
 from vlens.runtime.step_store import Segment, StepStore, add_chunk, copy_rows, kept_rows
 from vlens.runtime.tensor_parallel import TensorParallel
 
-
 #: A request served at a site this step: its rows, plan, names at the site and capture.
 Served = tuple[RequestRows, RequestPlan, tuple[NamePlan, ...], RequestCapture]
 
@@ -160,6 +159,11 @@ class WorkerRuntime:
         self.step_rows.clear()
         if getattr(self.runner, "execute_model_state", None) is not None:
             self.runner.execute_model_state = None
+
+    def gpu_probe(self) -> Tensor:
+        """A small tensor on this worker's device: whether the user's process can open what
+        this worker hands back on its GPU (``Engine.hands_back_on_gpu``)."""
+        return torch.arange(4.0, device=next(self.model.parameters()).device)
 
     def clear_contexts(self) -> None:
         """Forget every ``hook.ctx`` (TransformerLens's ``reset_hooks(clear_contexts=True)``)."""
@@ -342,5 +346,6 @@ class WorkerExtension:
 
         from vlens.runtime import shared_tensors
 
+        shared_tensors.collect_handed_back()
         result = call_runtime(self, method, *cloudpickle.loads(payload))
         return shared_tensors.dumps(result, call, machine)

@@ -1,18 +1,20 @@
 """vLLM's engine client with each request's ``vlens`` fields honoured.
 
 vLLM's OpenAI handlers turn a request into sampling parameters and call the engine client's
-``generate``. The ``vlens`` object travels there in ``vllm_xargs`` (the server's routes put it
-there, :mod:`vlens.serve.routes`); this client takes it out, plans the request, prepares every
-worker for it (the same worker calls ``HookedVLLM`` makes), tags the request, passes it on to
-vLLM's own client, and when it finishes fetches what was captured and keeps it in the
-activation store. Requests without ``vlens`` pass straight through.
+``generate``. The server's routes (:mod:`vlens.serve.routes`) read and plan the ``vlens`` object
+and admit the plan here, under a ticket that travels to ``generate`` in ``vllm_xargs`` (a short
+string: the object itself, vectors of thousands of numbers, would be written to JSON and read back
+for every request). ``generate`` takes the plan by its ticket, prepares every worker for it (the
+same worker calls ``HookedVLLM`` makes), tags the request, passes it on to vLLM's own client, and
+when it finishes fetches what was captured and keeps it in the activation store. Requests without
+a ticket pass straight through.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import json
+import uuid
 from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -22,17 +24,19 @@ from vllm.sampling_params import RequestOutputKind
 
 from vlens.engine import WorkerCall
 from vlens.runtime.messages import TAG_KEY, Handback
-from vlens.serve.fields import read_fields
-from vlens.serve.model import ServedModel
+from vlens.serve.model import Planned, ServedModel
 from vlens.serve.store import ActivationStore
 
-#: The ``vllm_xargs`` key that carries a request's ``vlens`` object, as JSON text.
+#: The ``vllm_xargs`` key that carries a request's ticket (:meth:`VlensEngineClient.admit`).
 FIELDS_KEY = "vlens_fields"
 
 _serial = itertools.count()
 
 #: Captures whose response was never written (the client went away) kept at most.
 MAX_UNCLAIMED = 4096
+
+#: Tickets kept at most: a streamed response whose body was never sent releases none.
+MAX_TICKETS = 65536
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,20 @@ class VlensEngineClient:
         self.steered_models = dict(steered_models or {})
         #: engine request id -> what it captured, until its response is written
         self.captured: dict[str, Captured] = {}
+        #: ticket -> the plan of an HTTP request being served (its prompts share it)
+        self.tickets: dict[str, Planned] = {}
+
+    def admit(self, planned: Planned) -> str:
+        """A ticket for ``planned``, valid until :meth:`release`: random, so that no client can
+        name another request's plan."""
+        ticket = uuid.uuid4().hex
+        self.tickets[ticket] = planned
+        while len(self.tickets) > MAX_TICKETS:
+            self.tickets.pop(next(iter(self.tickets)))
+        return ticket
+
+    def release(self, ticket: str) -> None:
+        self.tickets.pop(ticket, None)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
@@ -71,17 +89,21 @@ class VlensEngineClient:
         self, prompt: Any, sampling_params: Any, request_id: str, *args: Any, **kwargs: Any
     ) -> AsyncGenerator[Any, None]:
         extra = dict(getattr(sampling_params, "extra_args", None) or {})
-        text = extra.pop(FIELDS_KEY, None)
+        ticket = extra.pop(FIELDS_KEY, None)
         if TAG_KEY in extra:  # the routes refuse it; whatever else reaches here must not pose
             raise ValueError(f"{TAG_KEY} is reserved by vlens")  # as another request's rows
-        if text is None:
+        if ticket is None:
             async for output in self._engine.generate(
                 prompt, sampling_params, request_id, *args, **kwargs
             ):
                 yield output
             return
-        # Checked by the route already; planned again here, where the request runs.
-        planned = self.served.plan(read_fields(json.loads(text), self.vectors))
+        planned = self.tickets.get(ticket)
+        if planned is None:  # only vlens's routes admit plans
+            raise ValueError(
+                f"vllm_xargs.{FIELDS_KEY} is not a request vlens admitted; send a vlens object "
+                f"to /v1/completions or /v1/chat/completions"
+            )
         tag = f"serve-{next(_serial)}:0"
         extra[TAG_KEY] = tag
         sampling_params.extra_args = extra

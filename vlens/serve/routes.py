@@ -2,9 +2,10 @@
 entry point of ``vllm.endpoint_plugins``, turned on by ``vlens serve`` only).
 
 - ``POST /v1/completions`` and ``/v1/chat/completions``: vLLM's own handlers, after the request's
-  ``vlens`` object is checked (an HTTP 400 names what is wrong) and moved into ``vllm_xargs``,
-  where :class:`~vlens.serve.engine_client.VlensEngineClient` takes it; a response to a request
-  that captured names gains ``"vlens": {"activations": ID, "names": {name: shape}}``.
+  ``vlens`` object is read and planned (an HTTP 400 names what is wrong) and the plan admitted
+  into :class:`~vlens.serve.engine_client.VlensEngineClient` under a ticket that ``vllm_xargs``
+  carries to it; a response to a request that captured names gains
+  ``"vlens": {"activations": ID, "names": {name: shape}}``.
 - ``GET /v1/activations/{id}``: those values as a safetensors file, deleted once fetched.
 
 Being routes of vLLM's app, they sit behind its middleware, ``--api-key`` included.
@@ -106,18 +107,25 @@ async def _with_vlens_fields(path: str, request: Any, raw_request: Request) -> R
         return await original(request=request, raw_request=raw_request)
     try:
         fields = read_fields(value, client.vectors)
-        client.served.plan(fields)
+        planned = client.served.plan(fields)
         _check_request(request, bool(fields.capture))
     except BadVlensField as error:
         return _error(400, str(error), "vlens")
-    request.vllm_xargs = {**(request.vllm_xargs or {}), FIELDS_KEY: json.dumps(value)}
-    response = await original(request=request, raw_request=raw_request)
-    if not fields.capture or response.status_code != 200:
+    ticket = client.admit(planned)
+    request.vllm_xargs = {**(request.vllm_xargs or {}), FIELDS_KEY: ticket}
+    try:
+        response = await original(request=request, raw_request=raw_request)
+    except BaseException:
+        client.release(ticket)
+        raise
+    if isinstance(response, StreamingResponse):  # generated while the body is sent
+        body = response.body_iterator
+        if fields.capture:
+            body = _captures_before_done(body, path, client)
+        response.body_iterator = _released_after(body, client, ticket)
         return response
-    if isinstance(response, StreamingResponse):
-        response.body_iterator = _captures_before_done(response.body_iterator, path, client)
-        return response
-    if not isinstance(response, JSONResponse):
+    client.release(ticket)
+    if not fields.capture or response.status_code != 200 or not isinstance(response, JSONResponse):
         return response
     body = json.loads(response.body)
     for choice in body.get("choices", []):
@@ -128,6 +136,17 @@ async def _with_vlens_fields(path: str, request: Any, raw_request: Request) -> R
         body["vlens"] = body["choices"][0]["vlens"]
     headers = {k: v for k, v in response.headers.items() if k.lower() != "content-length"}
     return JSONResponse(body, status_code=response.status_code, headers=headers)
+
+
+async def _released_after(
+    chunks: AsyncIterator[str | bytes], client: VlensEngineClient, ticket: str
+) -> AsyncIterator[str | bytes]:
+    """A streamed response's events; its ticket released once they end (or the client left)."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    finally:
+        client.release(ticket)
 
 
 async def _captures_before_done(
