@@ -1,6 +1,7 @@
 """Issue 8: what vlens costs against plain vLLM, measured side by side in ONE run.
 
     python bench/run.py --preset gpu --out OUT_DIR     # H200: Qwen3-8B shape, dummy bf16 weights
+    python bench/run.py --preset gpu-llama --out OUT_DIR --tensor-parallel-size 2   # Llama-3-8B
     python bench/run.py --preset cpu --out OUT_DIR     # this CPU: SmolLM2-135M, fp32
 
 One run measures, in this order, each in its own process (an engine's memory is only ever given
@@ -62,6 +63,26 @@ PRESETS: dict[str, dict[str, Any]] = {
             "max_model_len": 1024,
             "max_num_seqs": 256,
             # fixed, so that every engine gets the same KV cache and vlens's captures have room
+            "kv_cache_memory_bytes": 24 << 30,
+            "gpu_memory_utilization": 0.5,
+        },
+    },
+    # Llama-3-8B's shape: the two-GPU runs' model while compiled TP=2 refuses QK-norm models on
+    # CUDA (see the README's tensor parallelism section)
+    "gpu-llama": {
+        "model": "dummy-llama3-8b",
+        "dtype": "bfloat16",
+        "prompts": 256,
+        "prompt_len": 128,
+        "new_tokens": 128,
+        "layer": 16,
+        "hf_batch": 32,
+        "profile_new_tokens": 32,
+        "engine": {
+            "load_format": "dummy",
+            "skip_tokenizer_init": True,
+            "max_model_len": 1024,
+            "max_num_seqs": 256,
             "kv_cache_memory_bytes": 24 << 30,
             "gpu_memory_utilization": 0.5,
         },
@@ -129,6 +150,32 @@ QWEN3_8B = {
 }
 
 
+#: Llama-3-8B's shape (its config.json, weights left to vLLM's dummy loader).
+LLAMA3_8B = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "mlp_bias": False,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "initializer_range": 0.02,
+}
+
+#: The presets' model shapes with dummy weights, and the tiny checkpoint of the same family whose
+#: tokenizer they borrow.
+DUMMY_SHAPES = {"dummy-qwen3-8b": (QWEN3_8B, "qwen3"), "dummy-llama3-8b": (LLAMA3_8B, "llama")}
+
+
 #: A Qwen3 of ~0.3 B parameters (16 layers, d_model 1024, GQA 16/8 heads of 64, d_mlp 3072,
 #: vocab 32,000): random weights, written once to disk so that HuggingFace and TransformerLens
 #: load the same ones.
@@ -166,8 +213,9 @@ def random_checkpoint(config: dict[str, Any], folder: Path) -> Path:
 
 
 def model_folder(preset: dict[str, Any], work: Path) -> Path:
-    """The checkpoint folder: SmolLM2 (CPU), or a Qwen3-8B-shaped config with the tiny qwen3
-    checkpoint's tokenizer (vlens loads a tokenizer; vLLM skips it and gets token ids)."""
+    """The checkpoint folder: SmolLM2 (CPU), or an 8B-shaped config (:data:`DUMMY_SHAPES`) with
+    the tiny checkpoint's tokenizer of its family (vlens loads a tokenizer; vLLM skips it and
+    gets token ids)."""
     from vlens.testing import tiny_model
 
     if preset["model"] == "smollm2":
@@ -179,10 +227,11 @@ def model_folder(preset: dict[str, Any], work: Path) -> Path:
     if preset["model"] == "random-qwen3-300m":
         return random_checkpoint(QWEN3_300M, work / "random-qwen3-300m")
 
-    folder = work / "qwen3-8b-shape"
+    config, family = DUMMY_SHAPES[preset["model"]]
+    folder = work / f"{preset['model'].removeprefix('dummy-')}-shape"
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(QWEN3_8B, indent=1))
-    for file in tiny_model("qwen3").iterdir():
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    for file in tiny_model(family).iterdir():
         if file.name.startswith(("tokenizer", "special_tokens")):
             shutil.copy(file, folder / file.name)
     return folder
@@ -441,7 +490,7 @@ def worker_hf(preset: dict[str, Any], path: Path, timer: Timer) -> None:
 
     dtype = getattr(torch, preset["dtype"])
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    if preset["model"] != "dummy-qwen3-8b":
+    if preset["model"] not in DUMMY_SHAPES:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
     else:
         with torch.device(device):
