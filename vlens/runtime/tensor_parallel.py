@@ -10,6 +10,7 @@ layout, so the collectives line up.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -45,14 +46,23 @@ class TensorParallel:
         return widths
 
     def gather(self, local: Tensor, shards: Shards) -> Tensor:
-        """Every rank's slice joined into the whole value, parts in their original order."""
+        """Every rank's slice joined into the whole value, parts in their original order. The
+        value is gathered along its last dimension, the split one flattened with those after it
+        (``[pos, heads, d_head]`` as ``[pos, heads * d_head]``): the one form of vLLM's
+        all-gather that every split value then takes."""
         from vllm.distributed import tensor_model_parallel_all_gather
 
         widths = self.local_widths(shards, local)
         dim = shards.dim % local.dim()
-        joined = tensor_model_parallel_all_gather(local.contiguous(), dim=dim)
-        per_rank = [chunk.split(widths, dim=dim) for chunk in joined.chunk(self.size, dim=dim)]
-        return torch.cat([rank_parts[p] for p in range(len(widths)) for rank_parts in per_rank], dim)
+        trailing = tuple(local.shape[dim + 1 :])
+        inner = math.prod(trailing)
+        joined = tensor_model_parallel_all_gather(local.contiguous().flatten(dim), dim=dim)
+        per_rank = [
+            chunk.split([width * inner for width in widths], dim=dim)
+            for chunk in joined.chunk(self.size, dim=dim)
+        ]
+        whole = torch.cat([ranks[p] for p in range(len(widths)) for ranks in per_rank], dim)
+        return whole.unflatten(dim, (-1, *trailing))
 
     def own_slice(self, whole: Tensor, shards: Shards, local: Tensor) -> Tensor:
         """This rank's slice of a whole value (the inverse of :meth:`gather`)."""
