@@ -197,9 +197,10 @@ def test_what_vlens_fields_cannot_combine_with_is_a_400_and_the_server_keeps_ser
         complete(client, prompt_of(5), capture, n=2)
     with pytest.raises(openai.BadRequestError, match="takes one prompt"):
         complete(client, [prompt_of(5), prompt_of(6)], capture, stream=True)
-    with pytest.raises(openai.BadRequestError, match="reserved"):  # posing as another request
-        client.completions.create(prompt=prompt_of(5), **GREEDY,
-                                  extra_body={"vllm_xargs": {"vlens_tag": "serve-0:0"}})
+    for key, value in (("vlens_tag", "serve-0:0"), ("vlens_fields", "0" * 32)):
+        with pytest.raises(openai.BadRequestError, match="reserved"):  # posing as another request
+            client.completions.create(prompt=prompt_of(5), **GREEDY,
+                                      extra_body={"vllm_xargs": {key: value}})
     assert len(new_tokens(complete(client, prompt_of(5), capture))) == 8
 
 
