@@ -47,46 +47,32 @@ import time
 from pathlib import Path
 from typing import Any
 
-PRESETS: dict[str, dict[str, Any]] = {
-    "gpu": {
-        "model": "dummy-qwen3-8b",
-        "dtype": "bfloat16",
-        "prompts": 256,
-        "prompt_len": 128,
-        "new_tokens": 128,
-        "layer": 18,
-        "hf_batch": 32,
-        "profile_new_tokens": 32,
-        "engine": {
-            "load_format": "dummy",
-            "skip_tokenizer_init": True,
-            "max_model_len": 1024,
-            "max_num_seqs": 256,
-            # fixed, so that every engine gets the same KV cache and vlens's captures have room
-            "kv_cache_memory_bytes": 24 << 30,
-            "gpu_memory_utilization": 0.5,
-        },
+#: The H200 workload (Qwen3-8B's shape, dummy weights).
+GPU_PRESET: dict[str, Any] = {
+    "model": "dummy-qwen3-8b",
+    "dtype": "bfloat16",
+    "prompts": 256,
+    "prompt_len": 128,
+    "new_tokens": 128,
+    "layer": 18,
+    "hf_batch": 32,
+    "profile_new_tokens": 32,
+    "engine": {
+        "load_format": "dummy",
+        "skip_tokenizer_init": True,
+        "max_model_len": 1024,
+        "max_num_seqs": 256,
+        # fixed, so that every engine gets the same KV cache and vlens's captures have room
+        "kv_cache_memory_bytes": 24 << 30,
+        "gpu_memory_utilization": 0.5,
     },
+}
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "gpu": GPU_PRESET,
     # Llama-3-8B's shape: the two-GPU runs' model while compiled TP=2 refuses QK-norm models on
     # CUDA (see the README's tensor parallelism section)
-    "gpu-llama": {
-        "model": "dummy-llama3-8b",
-        "dtype": "bfloat16",
-        "prompts": 256,
-        "prompt_len": 128,
-        "new_tokens": 128,
-        "layer": 16,
-        "hf_batch": 32,
-        "profile_new_tokens": 32,
-        "engine": {
-            "load_format": "dummy",
-            "skip_tokenizer_init": True,
-            "max_model_len": 1024,
-            "max_num_seqs": 256,
-            "kv_cache_memory_bytes": 24 << 30,
-            "gpu_memory_utilization": 0.5,
-        },
-    },
+    "gpu-llama": {**GPU_PRESET, "model": "dummy-llama3-8b", "layer": 16},
     "cpu": {
         "model": "smollm2",
         "dtype": "float32",
