@@ -2,9 +2,9 @@
 # Here (no GPU), from the project root, after `bash ../shared/gpu/prepare.sh`: writes one more
 # folder after prepare.sh's last (.gpu8 after .gpu7) with what vlens needs on the GPU machine
 # beyond vLLM: transformer_lens 4.3 and the packages its import needs that the machine's image
-# lacks (wheels, which the parts' install.sh installs with vLLM's), and the tiny test checkpoints
-# of every architecture the mapping files declare (with tiny_cuda.py's DeepSeek ones) as one tar
-# in parts of at most 50 MiB, tiny.tar.part.NN, spread over that folder and as many more as they
+# lacks, and those vLLM's OpenAI server needs (wheels, which the parts' install.sh installs with
+# vLLM's), and the tiny test checkpoints of every architecture the mapping files declare (with
+# tiny_cuda.py's DeepSeek ones) as one tar in parts of at most 50 MiB, tiny.tar.part.NN, spread over that folder and as many more as they
 # need, so that each folder with the project stays under a call's 64 MiB. Then carry every .gpuK
 # folder as
 # ../shared/gpu/README.md says, and run tools/gpu/gpu.sh, gpu_deepseek.sh, gpu_graph.sh or
@@ -26,7 +26,10 @@ plat="--only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux2014_x86_64 --platform any"
 pip download -q --no-deps -d "$stage" $plat transformer-lens==4.3.0 datasets==5.2.0 dill==0.4.1 \
   multiprocess==0.70.19 beartype==0.23.1 typeguard==4.6.1 fancy-einsum==0.0.3 \
-  pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 pygments==2.21.0  # pytest: the graph tier's tests
+  pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 pygments==2.21.0 \
+  model-hosting-container-standards==0.1.16 jmespath==1.1.0 supervisor==4.3.0
+# pytest: the graph tier's tests; the last three: what vLLM 0.26's OpenAI server imports beyond
+# prepare.sh's wheels (vlens serve, tools/gpu/gpu_serve.sh)
 cp "$stage"/*.whl "$ours"/
 python3 -c "from vlens.testing import ARCHS, tiny_model; [tiny_model(a) for a in ARCHS]"
 python3 "$here/tiny_cuda.py"  # DeepSeek with MLA dimensions CUDA's kernels accept
