@@ -1,14 +1,13 @@
 #!/bin/bash
 # Here (no GPU), from the project root, after `bash ../shared/gpu/prepare.sh`: writes one more
-# folder after prepare.sh's last (.gpu8 after .gpu7) with what vlens needs on the GPU machine
-# beyond vLLM: transformer_lens 4.3 and the packages its import needs that the machine's image
-# lacks, and those vLLM's OpenAI server needs (wheels, which the parts' install.sh installs with
-# vLLM's), and the tiny test checkpoints of every architecture the mapping files declare (with
-# tiny_cuda.py's DeepSeek ones) as one tar in parts of at most 50 MiB, tiny.tar.part.NN, spread over that folder and as many more as they
-# need, so that each folder with the project stays under a call's 64 MiB. Then carry every .gpuK
-# folder as
-# ../shared/gpu/README.md says, and run tools/gpu/gpu.sh, gpu_deepseek.sh, gpu_graph.sh or
-# bench.sh in the calls right after.
+# folder after prepare.sh's last (.gpu8 after .gpu7) with what vlens needs on the GPU machine beyond
+# vLLM: transformer_lens 4.3 and the packages its import needs that the machine's image lacks, and
+# those vLLM's OpenAI server needs (wheels, which the parts' install.sh installs with vLLM's), and
+# the tiny test checkpoints of every architecture the mapping files declare (with tiny_cuda.py's
+# DeepSeek ones) as one tar in parts of at most 50 MiB, tiny.tar.part.NN, spread over that folder
+# and as many more as they need, so that each folder with the project stays under a call's 64 MiB.
+# Then carry every .gpuK folder as ../shared/gpu/README.md says, and run tools/gpu/gpu.sh,
+# gpu_deepseek.sh, gpu_graph.sh or bench.sh in the calls right after.
 set -euo pipefail
 root=$(pwd)
 here=$(cd "$(dirname "$0")" && pwd)
