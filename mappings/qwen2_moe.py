@@ -19,7 +19,7 @@ of itself). Routing is plain softmax top-k, renormalized where ``norm_topk_prob`
 
 from transformers import PretrainedConfig, Qwen2MoeConfig
 
-from vlens.mapping import Spec, difference, leaving
+from vlens.mapping import PartialSums, Spec, difference, leaving
 from vlens.mappings import qwen2
 from vlens.mappings._moe import ROUTING_NAMES, SoftmaxTopK, moe_member, sigmoid, with_experts
 from vlens.mappings.llama import BLOCK, MLP
@@ -43,7 +43,9 @@ def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
         return specs
     shared = {
         SHARED_NAMES[0]: sigmoid(leaving(f"{MLP}.shared_expert_gate", element=0, shape="pos 1")),
-        SHARED_NAMES[1]: leaving(f"{MLP}.shared_expert"),
+        # Under TP vLLM builds the shared expert with reduce_results=False: each rank holds a
+        # partial sum of its output until the block's one all-reduce.
+        SHARED_NAMES[1]: leaving(f"{MLP}.shared_expert", shards=PartialSums()),
         SHARED_NAMES[2]: difference(f"{BLOCK}.hook_mlp_out", SHARED_NAMES[1]),
     }
     at = list(specs).index(f"{BLOCK}.hook_mlp_out")
@@ -75,8 +77,4 @@ MAPPING = moe_member(
     tiny_configs={"qwen2_moe": tiny_config},
     moe_names=MOE_NAMES,
     is_moe_layer=is_moe_layer,
-    # Under TP vLLM builds the shared expert with reduce_results=False: each rank holds a partial
-    # sum of mlp.hook_shared_out until the block's one all-reduce, a value vlens's shards (which
-    # concatenate) cannot gather yet.
-    tensor_parallel=False,
 )

@@ -48,6 +48,26 @@ def test_steering_a_split_value_equals_one_rank(two_ranks, hooked):
     assert ours[0] != single.generate(TEXTS[0], max_new_tokens=6, do_sample=False, return_type="tokens")[0]
 
 
+def test_editing_a_partial_sum_over_ranks_equals_one_rank(two_ranks, hooked):
+    """Qwen2-MoE's shared expert output is a partial sum on each rank until the block's
+    all-reduce: read whole (summed), and an edit's difference written to rank 0's part."""
+    arch, parallel = two_ranks
+    if arch != "qwen2_moe":
+        pytest.skip("only Qwen2-MoE holds a partial sum over ranks (its shared expert's output)")
+    single = hooked(arch)
+    shift = torch.randn(single.cfg.d_model, generator=torch.Generator().manual_seed(6))
+
+    def steer(value, hook):
+        return value * 0.5 + shift.to(value.device)
+
+    hooks = [[("blocks.1.mlp.hook_shared_out", steer)], []]  # prompt 0 only
+    options = dict(max_new_tokens=6, do_sample=False, return_type="tokens", prompt_hooks=hooks)
+    ours = parallel.generate(TEXTS, **options)
+    assert ours == single.generate(TEXTS, **options)
+    assert ours[0] != single.generate(TEXTS[0], max_new_tokens=6, do_sample=False,
+                                      return_type="tokens")[0]
+
+
 def test_a_shared_hook_on_the_batch_equals_one_rank(two_ranks, hooked):
     """Equal-length prompts: every rank runs the shared hook once on the batch (it indexes prompt
     1 of it; a per-prompt call would fail), with the split value gathered and written back."""
@@ -69,15 +89,19 @@ def test_a_shared_hook_on_the_batch_equals_one_rank(two_ranks, hooked):
 
 
 # ---- the graph tier on two ranks --------------------------------------------------------------
-# Llama's and Qwen3's mappings; Mistral and Qwen2 are Llama-family members with its names (their
-# eager two-rank tests above), left out here to keep the suite's time down.
+# Llama's and Qwen3's mappings and two mixtures of experts; Mistral and Qwen2 are Llama-family
+# members with its names (their eager two-rank tests above), left out here to keep the suite's
+# time down.
 STEERED = ("blocks.1.hook_resid_post", "blocks.0.attn.hook_z", "blocks.1.mlp.hook_post")
 #: Qwen3-MoE's layer 1 is a mixture of experts (no mlp.hook_post); its MoE block's output is
 #: whole on every rank (vLLM reduces it inside the block), read through hook_mlp_out.
-COMPILED_STEERED = {"llama": STEERED, "qwen3": STEERED, "qwen3_moe": STEERED[:2]}
+#: Qwen2-MoE's shared expert output is a partial sum on each rank (summed inside the graph).
+COMPILED_STEERED = {
+    "llama": STEERED, "qwen3": STEERED, "qwen3_moe": STEERED[:2], "qwen2_moe": STEERED[:2]
+}
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3", "qwen3_moe"])
+@pytest.fixture(scope="module", params=list(COMPILED_STEERED))
 def compiled_two_ranks(request, hooked, engine_args) -> tuple[str, HookedVLLM]:
     """A compiled engine on two ranks with every name of the model traced into its graph, and
     values split over the ranks (z, the MLP's hidden) among the steered ones."""

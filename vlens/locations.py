@@ -35,15 +35,15 @@ class SiteCall(Protocol):
     @property
     def model(self) -> torch.nn.Module: ...
 
-    def argument(self, index: int, name: str, shards: Shards | None = None) -> Any: ...
+    def argument(self, index: int, name: str, shards: Split | None = None) -> Any: ...
 
     def raw_argument(self, index: int, keyword: str | None) -> Any: ...
 
-    def output(self, element: int | None, shards: Shards | None = None) -> Any: ...
+    def output(self, element: int | None, shards: Split | None = None) -> Any: ...
 
-    def assign_argument(self, index: int, name: str, new: Any, shards: Shards | None = None) -> None: ...
+    def assign_argument(self, index: int, name: str, new: Any, shards: Split | None = None) -> None: ...
 
-    def assign_output(self, element: int | None, new: Any, shards: Shards | None = None) -> None: ...
+    def assign_output(self, element: int | None, new: Any, shards: Split | None = None) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -57,10 +57,20 @@ class Shards:
 
 
 @dataclass(frozen=True)
+class PartialSums:
+    """Each rank holds a partial sum of the value (a row-parallel projection whose results vLLM
+    adds over the ranks later, e.g. Qwen2-MoE's shared expert): whole once summed."""
+
+
+#: How a value is spread over tensor-parallel ranks, where it is not whole on every rank.
+Split = Shards | PartialSums
+
+
+@dataclass(frozen=True)
 class Argument:
     """An argument of the call, found by keyword or else by position (``shards``: how it is
     split over tensor-parallel ranks, if it is)."""
 
     index: int
     name: str
-    shards: Shards | None = None
+    shards: Split | None = None

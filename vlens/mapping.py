@@ -23,8 +23,11 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from vlens import derived, readers
+
 # Mapping files take the leaf vocabulary (where a value lives) from here too.
-from vlens.locations import Argument, Shards, Site
+from vlens.locations import Argument, Site, Split
+from vlens.locations import PartialSums as PartialSums  # for the mapping files
+from vlens.locations import Shards as Shards  # for the mapping files
 from vlens.readers import Reader
 from vlens.weights import WeightNames
 
@@ -178,7 +181,7 @@ def leaving(
     element: int | None = None,
     plus: int | None = None,
     shape: str = "pos d_model",
-    shards: Shards | None = None,
+    shards: Split | None = None,
 ) -> HookSpec:
     """The value a module returns (``element`` of a tuple; ``plus`` another element added;
     ``shards``: how it is split over tensor-parallel ranks, if it is)."""

@@ -19,7 +19,7 @@ from einops import rearrange
 from jaxtyping import Float
 from torch import Tensor
 
-from vlens.locations import Argument, Shards, SiteCall
+from vlens.locations import Argument, SiteCall, Split
 
 Reader = Callable[[SiteCall], Tensor]
 
@@ -40,7 +40,7 @@ class OutputOf:
 
     element: int | None = None
     plus: int | None = None
-    shards: Shards | None = None
+    shards: Split | None = None
 
     def __call__(self, call: SiteCall) -> Tensor:
         value = call.output(self.element, self.shards)

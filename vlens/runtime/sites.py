@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from vlens.locations import Shards, Site
+from vlens.locations import Site, Split
 from vlens.runtime.layout import RequestRows
 from vlens.runtime.tensor_parallel import TensorParallel
 
@@ -59,24 +59,24 @@ class NarrowedCall:
     def _narrow(self, value: Any) -> Any:
         return narrow(value, self.rows, self.index)
 
-    def _whole(self, local: Any, shards: Shards | None) -> Any:
+    def _whole(self, local: Any, shards: Split | None) -> Any:
         if shards is None or self.parallel is None or local is None:
             return local
-        return self.parallel.gather(local, shards)
+        return self.parallel.whole(local, shards)
 
-    def _assign(self, step_value: Tensor, new: Tensor, shards: Shards | None) -> None:
+    def _assign(self, step_value: Tensor, new: Tensor, shards: Split | None) -> None:
         local = self._narrow(step_value)
         if shards is not None and self.parallel is not None:
-            new = self.parallel.own_slice(new, shards, local)
+            new = self.parallel.own_part(new, shards, local)
         if self.index is not None:
             step_value.index_copy_(0, self.index, new.to(step_value.dtype))
         else:
             local.copy_(new)
 
-    def argument(self, index: int, name: str, shards: Shards | None = None) -> Any:
+    def argument(self, index: int, name: str, shards: Split | None = None) -> Any:
         return self._whole(self._narrow(self._step_argument(index, name)), shards)
 
-    def assign_argument(self, index: int, name: str, new: Tensor, shards: Shards | None = None) -> None:
+    def assign_argument(self, index: int, name: str, new: Tensor, shards: Split | None = None) -> None:
         self._assign(self._step_argument(index, name), new, shards)
 
     def raw_argument(self, index: int, keyword: str | None) -> Any:
@@ -90,10 +90,10 @@ class NarrowedCall:
     def _step_output(self, element: int | None) -> Any:
         return self.result if element is None else self.result[element]
 
-    def output(self, element: int | None, shards: Shards | None = None) -> Any:
+    def output(self, element: int | None, shards: Split | None = None) -> Any:
         return self._whole(self._narrow(self._step_output(element)), shards)
 
-    def assign_output(self, element: int | None, new: Tensor, shards: Shards | None = None) -> None:
+    def assign_output(self, element: int | None, new: Tensor, shards: Split | None = None) -> None:
         self._assign(self._step_output(element), new, shards)
 
 

@@ -4,8 +4,9 @@ Under tensor parallelism each rank holds a slice of the column-parallel projecti
 (``qkv_proj``, ``gate_up_proj``), of per-head attention values and of the MLP's hidden
 activations. A mapping marks such a value with :class:`~vlens.locations.Shards`; the runtime
 gathers it so that every rank's readers and hooks see the whole value, exactly as with one rank,
-and writes an edit back as each rank's own slice. Every rank runs the same plans on the same
-layout, so the collectives line up.
+and writes an edit back as each rank's own slice. A value each rank holds a partial sum of
+(:class:`~vlens.locations.PartialSums`) is summed over the ranks, and an edit's difference goes to
+rank 0's part. Every rank runs the same plans on the same layout, so the collectives line up.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from vlens.locations import Shards
+from vlens.locations import PartialSums, Shards, Split
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,22 @@ class TensorParallel:
                 f"give it whole under this tensor-parallel size"
             )
         return widths
+
+    def whole(self, local: Tensor, split: Split) -> Tensor:
+        """The whole value of which ``local`` is this rank's part (a collective)."""
+        if isinstance(split, PartialSums):
+            from vllm.distributed import tensor_model_parallel_all_reduce
+
+            return tensor_model_parallel_all_reduce(local.clone())
+        return self.gather(local, split)
+
+    def own_part(self, whole: Tensor, split: Split, local: Tensor) -> Tensor:
+        """This rank's part of an edited ``whole`` value (the inverse of :meth:`whole`; for
+        partial sums a collective: rank 0's part takes the edit, the others stay)."""
+        if isinstance(split, PartialSums):
+            before = self.whole(local, split)
+            return local + (whole - before) if self.rank == 0 else local
+        return self.own_slice(whole, split, local)
 
     def gather(self, local: Tensor, shards: Shards) -> Tensor:
         """Every rank's slice joined into the whole value, parts in their original order. The
