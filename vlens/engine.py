@@ -158,15 +158,13 @@ class Engine:
         )
 
     def finish(self, tags: list[str], device: str) -> Handback:
-        """What the workers kept for ``tags``, on ``device``. Worker processes on a GPU of this
-        machine hand it back there, as CUDA IPC handles that this process opens and copies once
-        to ``device`` (:mod:`vlens.runtime.shared_tensors`); otherwise the worker copies it to
-        the host and it crosses through shared memory."""
-        if self.in_process or not self.hands_back_on_gpu():
-            return self._on_driver("finish", tags, device)
-        with WorkerCall("finish", (tags, "cuda")) as call:
-            returned = self.llm.collective_rpc("vlens_call", args=call.arguments)
-            return call.results(returned, device)[0]
+        """What the workers kept for ``tags``, on ``device``. Worker processes (whose results
+        reach this process on the host: ``support.check_cache_device``) on a GPU of this machine
+        keep it on their GPU and hand back CUDA IPC handles, which this process opens and copies
+        once to the host (:mod:`vlens.runtime.shared_tensors`); otherwise the worker copies it
+        to the host and it crosses through shared memory."""
+        on_gpu = not self.in_process and self.hands_back_on_gpu()
+        return self._on_driver("finish", tags, "cuda" if on_gpu else device)
 
     def hands_back_on_gpu(self) -> bool:
         """Whether worker processes hand results back on their GPU: they run on CUDA devices of
@@ -178,9 +176,7 @@ class Engine:
             self._gpu_handback = False
             if current_platform.is_cuda() and parallel.distributed_executor_backend == "mp":
                 try:
-                    with WorkerCall("gpu_probe", ()) as call:
-                        returned = self.llm.collective_rpc("vlens_call", args=call.arguments)
-                        probes = call.results(returned, "cpu")
+                    probes = self._on_workers("gpu_probe")
                     self._gpu_handback = all(torch.equal(p, torch.arange(4.0)) for p in probes)
                 except Exception as failure:  # noqa: BLE001 - the files still work
                     logger.warning("vlens: results come back through shared memory, since "
@@ -222,7 +218,7 @@ class Engine:
         as bytes that vlens cloudpickles here and unpickles there (user hook functions are often
         closures), so vLLM's own channels carry only a string and bytes and need no
         ``VLLM_ALLOW_INSECURE_SERIALIZATION``. Their results come back the same way, large
-        tensors through shared memory (:mod:`vlens.runtime.shared_tensors`).
+        tensors through shared memory or as CUDA IPC handles (:mod:`vlens.runtime.shared_tensors`).
         """
         from vlens.runtime.worker import call_runtime
 
@@ -269,9 +265,8 @@ class WorkerCall:
         self.label = f"{os.getpid()}-{next(_rpc_ids)}"
         self.arguments = (method, cloudpickle.dumps(args), self.label, shared_tensors.this_machine())
 
-    def results(self, returned: Sequence[bytes], device: str = "cpu") -> list[Any]:
-        """Each rank's result; tensors handed back on a GPU are copied to ``device``."""
-        return [shared_tensors.loads(result, device) for result in returned]
+    def results(self, returned: Sequence[bytes]) -> list[Any]:
+        return [shared_tensors.loads(result) for result in returned]
 
     def __enter__(self) -> WorkerCall:
         return self

@@ -13,8 +13,8 @@ read) when it ends: no file outlives its call.
 
 Tensors a worker hands back on its GPU (``finish`` with ``device="cuda"``, see
 ``Engine.finish``) cross as CUDA IPC handles instead: the user's process opens the worker's
-memory and copies it once to where the user wants it (the host: into pinned memory, which torch
-reuses from call to call), with no copy through files; the worker frees its memory once the user's
+memory and copies it once to the host (into pinned memory, which torch reuses from call to
+call), with no copy through files; the worker frees its memory once the user's
 process has let go of it (:func:`collect_handed_back`).
 """
 
@@ -65,11 +65,10 @@ def dumps(value: Any, call: str, reader_machine: str) -> bytes:
     return buffer.getvalue()
 
 
-def loads(payload: bytes, device: str = "cpu") -> Any:
+def loads(payload: bytes) -> Any:
     """The value :func:`dumps` pickled, its tensors mapped from their files (which are removed);
-    tensors that crossed as CUDA handles are copied to ``device`` (the host, or this process's
-    own GPU memory)."""
-    unpickler = _MappingUnpickler(io.BytesIO(payload), torch.device(device))
+    tensors that crossed as CUDA handles are copied to the host."""
+    unpickler = _MappingUnpickler(io.BytesIO(payload))
     value = unpickler.load()
     if unpickler.opened:
         torch.cuda.synchronize()  # the copies out of the worker's memory, then let go of it
@@ -112,9 +111,8 @@ class _SharingPickler(pickle.Pickler):
 
 
 class _MappingUnpickler(pickle.Unpickler):
-    def __init__(self, file: io.BytesIO, device: torch.device) -> None:
+    def __init__(self, file: io.BytesIO) -> None:
         super().__init__(file)
-        self.device = device
         #: tensors opened in a worker's GPU memory, held until their copies are done
         self.opened: list[Tensor] = []
 
@@ -134,13 +132,11 @@ class _MappingUnpickler(pickle.Unpickler):
         return mapped.view(shape)
 
     def _copied_out(self, opened: Tensor) -> Tensor:
-        """A copy of the worker's ``opened`` tensor on this process's ``device``: the host's
-        through pinned memory, without waiting (:func:`loads` waits once for all)."""
+        """A host copy of the worker's ``opened`` tensor, through pinned memory, without
+        waiting (:func:`loads` waits once for all)."""
         self.opened.append(opened)
-        if self.device.type == "cpu":
-            host = torch.empty(opened.shape, dtype=opened.dtype, pin_memory=True)
-            return host.copy_(opened, non_blocking=True)
-        return opened.to(self.device, copy=True)
+        host = torch.empty(opened.shape, dtype=opened.dtype, pin_memory=True)
+        return host.copy_(opened, non_blocking=True)
 
 
 def _folder_for(nbytes: int) -> str:
