@@ -182,27 +182,6 @@ def test_unverified_architectures_refuse_compiled_names():
         HookedVLLM.from_pretrained(tiny_model("stablelm"), compiled_capture=["hook_embed"])
 
 
-@pytest.mark.parametrize("arch, refused", [("qwen3", True), ("llama", False)])
-def test_compiled_qk_norm_models_over_cuda_ranks_are_refused_before_vllm_starts(
-    arch, refused, monkeypatch
-):
-    from vllm.platforms import current_platform
-
-    from vlens.hooked import checkpoint_of
-
-    monkeypatch.setattr(type(current_platform), "is_cuda", lambda self: True)
-    def load():
-        return checkpoint_of(
-            tiny_model(arch), ["blocks.0.hook_resid_post"], [], {"tensor_parallel_size": 2}
-        )
-
-    if refused:
-        with pytest.raises(NotImplementedError, match="not yet exact for models with QK-norm"):
-            load()
-    else:
-        assert load().compiled is not None
-
-
 def test_names_read_after_the_forward_need_no_declaration():
     with pytest.raises(ValueError, match="needs no declaration"):
         HookedVLLM.from_pretrained(tiny_model("llama"), compiled_capture=["sampler.hook_logits"])

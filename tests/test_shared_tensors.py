@@ -26,7 +26,7 @@ def test_large_tensors_round_trip_through_files_that_are_removed():
              "bf16": large, "text": "kept"}
     payload = shared_tensors.dumps(value, "test-1", shared_tensors.this_machine())
     assert len(payload) < 100_000  # the large tensors are not in the pickle
-    back = shared_tensors.loads(payload)
+    back = shared_tensors.loads([payload])[0]
     assert torch.equal(back["rows"].values, large32) and back["rows"].spans == [[(0, 2048)]]
     assert torch.equal(back["small"], small)
     assert torch.equal(back["strided"], strided)
@@ -50,7 +50,7 @@ def test_a_reader_on_another_machine_gets_the_tensors_in_the_pickle():
     value = torch.randn(1 << 19)
     payload = shared_tensors.dumps(value, "test-3", "another-host/boot")
     assert len(payload) > value.numel() * 4 and _leftover_files() == before
-    assert torch.equal(shared_tensors.loads(payload), value)
+    assert torch.equal(shared_tensors.loads([payload])[0], value)
 
 
 def _hand_back_on_gpu(connection) -> None:
@@ -82,7 +82,7 @@ def test_tensors_on_a_workers_gpu_cross_as_handles_and_are_copied_to_the_host():
     try:
         payload = ours.recv()
         assert len(payload) < 10_000  # handles, not values
-        back = shared_tensors.loads(payload)
+        back = shared_tensors.loads([payload])[0]
         assert back["rows"].values.device.type == "cpu" and back["rows"].values.is_pinned()
         assert torch.equal(back["rows"].values, rows) and back["rows"].spans == [[(0, 300)]]
         assert back["bf16"].dtype == torch.bfloat16 and torch.equal(back["bf16"], bf16)

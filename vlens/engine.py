@@ -14,7 +14,7 @@ import os
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any
 
@@ -128,6 +128,12 @@ class Engine:
             own = copy.copy(params)
             own.extra_args = {**(params.extra_args or {}), TAG_KEY: tag}
             request_params.append(own)
+        if self.in_process and device == "cpu" and params.max_tokens:
+            # the graph tier writes kept rows into the host's cache as steps end
+            plans = [
+                replace(plan, positions=len(prompt) + params.max_tokens - 1)
+                for plan, prompt in zip(plans, prompts)
+            ]
         self._on_workers("prepare", dict(zip(tags, plans)))
         try:
             outputs = self.llm.generate(
@@ -164,7 +170,7 @@ class Engine:
         once to the host (:mod:`vlens.runtime.shared_tensors`); otherwise the worker copies it
         to the host and it crosses through shared memory."""
         on_gpu = not self.in_process and self.hands_back_on_gpu()
-        return self._on_driver("finish", tags, "cuda" if on_gpu else device)
+        return Handback.of_ranks(self._on_workers("finish", tags, "cuda" if on_gpu else device))
 
     def hands_back_on_gpu(self) -> bool:
         """Whether worker processes hand results back on their GPU: they run on CUDA devices of
@@ -266,7 +272,7 @@ class WorkerCall:
         self.arguments = (method, cloudpickle.dumps(args), self.label, shared_tensors.this_machine())
 
     def results(self, returned: Sequence[bytes]) -> list[Any]:
-        return [shared_tensors.loads(result) for result in returned]
+        return shared_tensors.loads(returned)
 
     def __enter__(self) -> WorkerCall:
         return self

@@ -42,7 +42,6 @@ from vlens.runtime.messages import HookFunction
 from vlens.steering import Steer
 from vlens.support import (
     check_cache_device,
-    check_compiled_tensor_parallel,
     check_loadable,
     model_impl_args,
     refuse_gradients,
@@ -402,7 +401,6 @@ def checkpoint_of(
     compiled = None
     if wants_graph:
         specs = all_specs(mapping, config)
-        check_compiled_tensor_parallel(specs, engine_kwargs)
         compiled = declare(specs, config, compiled_capture, compiled_steering, mapping.unavailable)
     return Checkpoint(config, mapping, compiled, AutoTokenizer.from_pretrained(path))
 

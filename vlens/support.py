@@ -4,7 +4,6 @@ was not built for. Each refusal names the reason and what to do instead."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 from vlens.mapping import ArchitectureMapping
@@ -76,25 +75,6 @@ def check_loadable(
             f"its names as verified to read the same traced into vLLM's graph as in eager mode "
             f"(ArchitectureMapping.compiled_graph); load it without "
             f"compiled_capture/compiled_steering (eager mode)"
-        )
-
-
-def check_compiled_tensor_parallel(names: Iterable[str], user_args: dict[str, Any]) -> None:
-    """Refuse the graph tier over several CUDA ranks for models with QK-norm (Qwen3, Qwen3-MoE,
-    and other architectures whose names include ``attn.hook_q_normed``): on two H200s their
-    greedy tokens and cached values leave eager TP=1's from the first generated token on, under
-    both of vLLM's model runners, while Llama's equal it (tools/gpu/gpu_tp.sh). Exact on vLLM's
-    CPU backend, where the same tests pass."""
-    parallel = int(user_args.get("tensor_parallel_size", 1))
-    if parallel < 2 or not any(name.endswith("attn.hook_q_normed") for name in names):
-        return
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cuda():
-        raise NotImplementedError(
-            f"compiled names with tensor_parallel_size={parallel} on CUDA are not yet exact for "
-            f"models with QK-norm (this one has attn.hook_q_normed): load it in eager mode "
-            f"(without compiled_capture/compiled_steering), or with tensor_parallel_size=1"
         )
 
 

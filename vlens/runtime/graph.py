@@ -18,8 +18,8 @@ and before vLLM's first (compiling) forward:
 Python in the forward is the traced hook only: no per-request work happens inside the graph.
 Under tensor parallelism every rank traces the same hooks (:mod:`vlens.runtime.graph_worker`
 installs them in each worker): a value vLLM splits over ranks is gathered inside the graph before
-it is copied or steered, a steered one is written back as each rank's slice, and rank 0 keeps
-the rows the user's process receives.
+it is copied or steered, a steered one is written back as each rank's slice, and each captured
+name's rows are kept by one of the ranks for the user's process.
 """
 
 from __future__ import annotations
@@ -34,10 +34,11 @@ from torch import Tensor, nn
 
 from vlens.locations import Site
 from vlens.readers import LogitsOf, Reader
+from vlens.runtime.host_stream import HostStream, Slot
 from vlens.runtime.layout import RequestRows
+from vlens.runtime.messages import PaddedRows
 from vlens.runtime.patches import apply_cpu_patches
 from vlens.runtime.sites import NarrowedCall, install_site
-from vlens.runtime.messages import PaddedRows
 from vlens.runtime.step_store import StepStore, copy_rows, kept_rows
 from vlens.runtime.tensor_parallel import TensorParallel
 from vlens.steering import Steer, steered
@@ -111,6 +112,9 @@ class CallState:
     tables: dict[str, list[Terms]] = field(default_factory=lambda: defaultdict(list))
     stacked: dict[str, Terms] = field(default_factory=dict)
     kept: StepStore = field(default_factory=StepStore)
+    #: the call's kept rows written into the host's cache as steps end (:mod:`host_stream`),
+    #: where the call gave each request its :class:`Slot`; else they wait in :attr:`kept`
+    stream: HostStream | None = None
 
 
 class GraphSites:
@@ -130,9 +134,12 @@ class GraphSites:
         parallel = TensorParallel.of_this_worker()
         #: under tensor parallelism: values split over ranks are gathered inside the graph (a
         #: collective every rank runs), steering is written back as each rank's own slice, and
-        #: rank 0 alone keeps rows for the user's process
+        #: each captured name's rows are kept by one rank for the user's process (every rank
+        #: holds the whole value), the names dealt out in turn: under CUDA each rank hands its
+        #: share back from its own GPU, and the copies to the host run side by side
         self.parallel = parallel if parallel.size > 1 else None
-        self.keeps = parallel.rank == 0
+        captured = sorted(g.name for g in names if g.capture)
+        self.kept_here = frozenset(captured[parallel.rank :: parallel.size])
         self.captured = {
             g.name: torch.zeros(max_tokens, *g.trailing, device=device, dtype=dtype)
             for g in names
@@ -177,9 +184,21 @@ class GraphSites:
 
     # ---- around each step (called by the worker runtime) -------------------------------------
 
-    def prepare(self, tag: str, keep: frozenset[str], steers: Sequence[Steer]) -> None:
-        """Follow request ``tag``: the names it keeps and its steering terms."""
+    def prepare(
+        self, tag: str, keep: frozenset[str], steers: Sequence[Steer], slot: Slot | None = None
+    ) -> None:
+        """Follow request ``tag``: the names it keeps and its steering terms; with a ``slot``
+        (its place in its call, which keeps its cache on the host), its kept rows go to the host
+        as steps end."""
         self.call.keep[tag] = keep
+        if slot is not None and self.parallel is None and HostStream.available(self.device):
+            if self.call.stream is None:
+                if self.call.kept.entries or len(self.call.keep) > 1:
+                    raise RuntimeError(f"request {tag} has a slot, the call's others had none")
+                self.call.stream = HostStream(slot.batch, self.device)
+            self.call.stream.follow(tag, slot)
+        elif self.call.stream is not None:
+            raise RuntimeError(f"request {tag} has no slot, the call's others had one")
         own = {}
         for steer in steers:
             entries = self.call.tables[steer.name]
@@ -215,18 +234,36 @@ class GraphSites:
         if not names or not keepers:
             return
         selection, segments = kept_rows(keepers, self.device)
+        stream = self.call.stream
+        targets = stream.begin_step(keepers) if stream is not None else None
         for name in names:
-            rows = copy_rows(self.captured[name], selection)
             read = self.names[name].read
-            if isinstance(read, LogitsOf):  # under tensor parallelism a collective: every rank
+            logits = isinstance(read, LogitsOf)  # under tensor parallelism a collective
+            if name not in self.kept_here and not logits:
+                continue
+            if stream is not None and self.device.type == "cpu":
+                rows = self.captured[name][selection]  # scattered before the next step
+            else:
+                rows = copy_rows(self.captured[name], selection)
+            if logits:  # every rank computes them
                 rows = read.logits(self.model, rows)
-            if self.keeps:
+            if name not in self.kept_here:
+                continue
+            if stream is not None:
+                stream.write(name, rows, targets)
+            else:
                 self.call.kept.add(name, segments, rows)
+        if stream is not None:
+            stream.end_step()
 
     def finish(self, tags: Sequence[str], device: str = "cpu") -> dict[str, PaddedRows]:
         """The finished requests' kept rows, on ``device`` (see :class:`StepStore`). Forgets
         the call once no request is left, even when handing back fails."""
         try:
+            if self.call.stream is not None:
+                if device != "cpu":
+                    raise ValueError(f"this call's rows went to the host, not to {device}")
+                return self.call.stream.take(tags, self.call.keep)
             return self.call.kept.take(tags, self.call.keep, device)
         finally:
             for tag in tags:

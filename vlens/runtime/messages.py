@@ -84,6 +84,10 @@ class RequestPlan:
     steering: tuple[Steer, ...] = ()
     attention: tuple[AttentionPlan, ...] = ()
     call_size: int = 1
+    #: the most positions the request runs (its prompt and every new token but the last), where
+    #: its call keeps its cache on the host of a process that shares the worker's memory: the
+    #: graph tier then writes its kept rows into that cache as steps end; 0 where not known
+    positions: int = 0
 
     def kept_names(self) -> frozenset[str]:
         """The names read at sites that this request keeps for its cache."""
@@ -147,6 +151,14 @@ class Handback:
 
     captures: dict[str, RequestCapture]
     padded: dict[str, PaddedRows]
+
+    @classmethod
+    def of_ranks(cls, ranks: Sequence[Handback]) -> Handback:
+        """What the ranks handed back together: the first rank's captures (one rank keeps
+        those), and every rank's share of the names read over whole steps (compiled names are
+        dealt out over the ranks)."""
+        padded = {name: rows for rank in ranks for name, rows in rank.padded.items()}
+        return cls(ranks[0].captures, padded)
 
 
 class HookError(RuntimeError):

@@ -28,6 +28,7 @@ import shutil
 import socket
 import tempfile
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -65,15 +66,18 @@ def dumps(value: Any, call: str, reader_machine: str) -> bytes:
     return buffer.getvalue()
 
 
-def loads(payload: bytes) -> Any:
-    """The value :func:`dumps` pickled, its tensors mapped from their files (which are removed);
-    tensors that crossed as CUDA handles are copied to the host."""
-    unpickler = _MappingUnpickler(io.BytesIO(payload))
-    value = unpickler.load()
-    if unpickler.opened:
-        torch.cuda.synchronize()  # the copies out of the worker's memory, then let go of it
-        unpickler.opened.clear()
-    return value
+def loads(payloads: Sequence[bytes]) -> list[Any]:
+    """The values :func:`dumps` pickled (one per rank), their tensors mapped from their files
+    (which are removed); tensors that crossed as CUDA handles are copied to the host, the
+    copies out of every rank's GPU running together, waited for once."""
+    opened: list[Tensor] = []
+    values = []
+    for payload in payloads:
+        unpickler = _MappingUnpickler(io.BytesIO(payload), opened)
+        values.append(unpickler.load())
+    for device in {tensor.device for tensor in opened}:
+        torch.cuda.synchronize(device)  # the copies out of the workers' memory, then let go
+    return values
 
 
 def collect_handed_back() -> None:
@@ -111,10 +115,10 @@ class _SharingPickler(pickle.Pickler):
 
 
 class _MappingUnpickler(pickle.Unpickler):
-    def __init__(self, file: io.BytesIO) -> None:
+    def __init__(self, file: io.BytesIO, opened: list[Tensor]) -> None:
         super().__init__(file)
         #: tensors opened in a worker's GPU memory, held until their copies are done
-        self.opened: list[Tensor] = []
+        self.opened = opened
 
     def persistent_load(self, pid: Any) -> Tensor:
         if pid[0] == "cuda-tensor":

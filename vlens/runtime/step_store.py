@@ -108,29 +108,10 @@ class _Layout:
     ) -> _Layout:
         """Worked out with array operations: a generation of 256 requests has ~33,000
         segments per name."""
-        requests: list[int] = []
-        lengths: list[int] = []
-        firsts: list[int] = []
-        for segments, _ in steps:
-            if segments:
-                tags, step_lengths, step_firsts = zip(*segments)
-                requests += [index_of.get(tag, batch) for tag in tags]
-                lengths += step_lengths
-                firsts += step_firsts
-        request, length, first = (np.array(v, dtype=np.int64) for v in (requests, lengths, firsts))
-        start = np.cumsum(length) - length
-        kept = np.zeros(batch + 1, dtype=bool)
-        kept[list(keepers)] = True
-        wanted = kept[request]
-        request, first, start = request[wanted], first[wanted], start[wanted]
-        held = _still_held(request, first, length[wanted])
-        whole = wanted.all() and bool((held == length[wanted]).all())
-        rest = held > 0
-        request, held, first, start = request[rest], held[rest], first[rest], start[rest]
-        width = int((first + held).max(initial=0))
-        source = None if whole else _row_index(start, held)
-        target = _row_index(request * width + first, held)
-        return cls(batch, width, source, target, _spans(request, first, held, batch))
+        held = _HeldRows.of([segments for segments, _ in steps], index_of, keepers, batch)
+        source = None if held.whole else _row_index(held.start, held.length)
+        target = _row_index(held.request * held.width + held.first, held.length)
+        return cls(batch, held.width, source, target, held.spans(batch))
 
     def scatter(self, steps: Sequence[tuple[object, Tensor]], device: torch.device) -> Tensor:
         """The padded ``[batch, width, ...]`` batch of these steps' rows, on ``device``."""
@@ -151,6 +132,66 @@ class _Layout:
                 joined = joined.index_select(0, self.source.to(joined.device))
             padded.index_copy_(0, self.target.to(joined.device), joined)
         return _moved(padded.view(self.batch, self.width, *trailing), device)
+
+
+@dataclass
+class _HeldRows:
+    """The kept runs of a series of steps that no later step replaced: run ``k`` is
+    ``length[k]`` rows of request ``request[k]`` from position ``first[k]``, rows
+    ``start[k]:start[k] + length[k]`` of the joined steps. ``whole``: every row of the steps."""
+
+    request: np.ndarray
+    first: np.ndarray
+    length: np.ndarray
+    start: np.ndarray
+    whole: bool
+
+    @classmethod
+    def of(
+        cls,
+        steps: Sequence[Sequence[Segment]],
+        index_of: Mapping[str, int],
+        keepers: frozenset[int],
+        batch: int,
+    ) -> _HeldRows:
+        requests: list[int] = []
+        lengths: list[int] = []
+        firsts: list[int] = []
+        for segments in steps:
+            if segments:
+                tags, step_lengths, step_firsts = zip(*segments)
+                requests += [index_of.get(tag, batch) for tag in tags]
+                lengths += step_lengths
+                firsts += step_firsts
+        request, length, first = (np.array(v, dtype=np.int64) for v in (requests, lengths, firsts))
+        start = np.cumsum(length) - length
+        kept = np.zeros(batch + 1, dtype=bool)
+        kept[list(keepers)] = True
+        wanted = kept[request]
+        request, first, start = request[wanted], first[wanted], start[wanted]
+        held = _still_held(request, first, length[wanted])
+        whole = wanted.all() and bool((held == length[wanted]).all())
+        rest = held > 0
+        return cls(request[rest], first[rest], held[rest], start[rest], whole)
+
+    @property
+    def width(self) -> int:
+        return int((self.first + self.length).max(initial=0))
+
+    def spans(self, batch: int) -> list[list[Span]]:
+        return _spans(self.request, self.first, self.length, batch)
+
+
+def layout_spans(
+    steps: Sequence[Sequence[Segment]],
+    index_of: Mapping[str, int],
+    keepers: frozenset[int],
+    batch: int,
+) -> tuple[int, list[list[Span]]]:
+    """The padded width and each request's runs of positions that the ``keepers``' rows of these
+    steps fill (rows a later step replaced left out), as :class:`StepStore` lays them out."""
+    held = _HeldRows.of(steps, index_of, keepers, batch)
+    return held.width, held.spans(batch)
 
 
 def _still_held(request: np.ndarray, first: np.ndarray, length: np.ndarray) -> np.ndarray:

@@ -27,6 +27,7 @@ from vlens.runtime.attention import AttentionSites, unsupported
 from vlens.runtime.batches import batched_sites, call_of, in_batches, shape_key
 from vlens.runtime.graph import GraphSites
 from vlens.runtime.hooks import run_hooks
+from vlens.runtime.host_stream import Slot
 from vlens.runtime.layout import Followed, RequestRows, follow_steps, mark_sampling
 from vlens.runtime.messages import (
     Chunk,
@@ -93,7 +94,8 @@ class WorkerRuntime:
             self.wanted[tag] = plan
             self.captures[tag] = RequestCapture()
             if self.graph is not None:
-                self.graph.prepare(tag, plan.graph_keep, plan.steering)
+                slot = Slot(plan.index, plan.call_size, plan.positions) if plan.positions else None
+                self.graph.prepare(tag, plan.graph_keep, plan.steering, slot)
             if plan.attention and refusal is not None:
                 self.captures[tag].error = refusal  # raised after the call; its hooks never run
             else:

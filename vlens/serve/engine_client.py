@@ -124,7 +124,7 @@ class VlensEngineClient:
                     sampled = new
                 yield output
         finally:
-            handback: Handback = (await self._on_workers("finish", [tag], "cpu"))[0]
+            handback = Handback.of_ranks(await self._on_workers("finish", [tag], "cpu"))
         if planned.names and prompt_tokens is not None:
             # Off the event loop: assembling and serialising a capture is tensor work.
             values = await asyncio.to_thread(

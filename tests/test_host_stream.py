@@ -1,0 +1,105 @@
+"""A call's kept rows written into the host's padded batch as steps end (the graph tier on one
+rank, cache on the host): each row at its request and position, whatever order the steps list
+requests in; zero wherever a request kept nothing; rows past a request's announced positions
+and rows vLLM replaced left out, as :class:`~vlens.runtime.step_store.StepStore` lays them out."""
+
+from __future__ import annotations
+
+import torch
+
+from vlens.runtime.host_stream import HostStream, Slot
+from vlens.runtime.layout import RequestRows
+from vlens.runtime.step_store import Segment, StepStore
+
+KEEP_X = frozenset({"x"})
+CPU = torch.device("cpu")
+
+
+def rows(*values: float) -> torch.Tensor:
+    return torch.tensor(values).reshape(-1, 1)
+
+
+def stream_of(positions: dict[str, int]) -> HostStream:
+    stream = HostStream(len(positions), CPU)
+    for index, (tag, count) in enumerate(positions.items()):
+        stream.follow(tag, Slot(index, len(positions), count))
+    return stream
+
+
+def step(stream: HostStream, requests: list[tuple[str, int, int]], values: torch.Tensor) -> None:
+    """One step: ``(tag, length, first position)`` per request, in the step's row order."""
+    keepers, start = [], 0
+    for tag, length, first in requests:
+        keepers.append(RequestRows(tag, start, start + length, first, 0))
+        start += length
+    targets = stream.begin_step(keepers)
+    stream.write("x", values, targets)
+    stream.end_step()
+
+
+def test_rows_land_at_their_request_and_position_as_the_step_store_lays_them_out():
+    stream = stream_of({"a": 4, "b": 4})
+    store = StepStore()
+    steps = [
+        ([("a", 3, 0), ("b", 2, 0)], rows(0, 1, 2, 3, 4)),
+        ([("b", 1, 2), ("a", 1, 3)], rows(10, 11)),  # b before a
+    ]
+    for requests, values in steps:
+        step(stream, requests, values)
+        store.add("x", [Segment(tag, n, first) for tag, n, first in requests], values)
+    keeps = {"a": KEEP_X, "b": KEEP_X}
+    streamed = stream.take(["a", "b"], keeps)["x"]
+    stored = store.take(["a", "b"], keeps, "cpu")["x"]
+    assert streamed.values.squeeze(-1).tolist() == [[0, 1, 2, 11], [3, 4, 10, 0]]
+    assert streamed.spans == stored.spans == [[(0, 4)], [(0, 3)]]
+    assert torch.equal(streamed.values, stored.values)
+
+
+def test_padding_and_names_a_request_does_not_keep_are_zero_whatever_memory_held():
+    stream = stream_of({"a": 3, "b": 3, "c": 3})
+    step(stream, [("a", 2, 0), ("b", 2, 0), ("c", 1, 0)], rows(1, 2, 3, 4, 5))
+    stream.host["x"].fill_(99.0)  # what an uninitialised allocation may hold
+    step(stream, [("a", 1, 2)], rows(6))
+    keeps = {"a": KEEP_X, "b": KEEP_X, "c": frozenset()}
+    taken = stream.take(["a", "b", "c"], keeps)["x"]
+    assert taken.values.squeeze(-1).tolist() == [[99, 99, 6], [99, 99, 0], [0, 0, 0]]
+    assert taken.spans == [[(0, 3)], [(0, 2)], []]
+
+
+def test_a_row_past_the_announced_positions_is_left_out():
+    """With asynchronous scheduling vLLM runs one more forward for a request that has just
+    finished: that row goes to the spare row, not into the next request's positions."""
+    stream = stream_of({"a": 2, "b": 2})
+    step(stream, [("a", 2, 0), ("b", 2, 0)], rows(1, 2, 3, 4))
+    step(stream, [("a", 1, 2), ("b", 1, 2)], rows(5, 6))  # one position too many each
+    taken = stream.take(["a", "b"], {"a": KEEP_X, "b": KEEP_X})["x"]
+    assert taken.values.squeeze(-1).tolist() == [[1, 2], [3, 4]]
+    assert taken.spans == [[(0, 2)], [(0, 2)]]
+
+
+def test_replaced_rows_are_dropped_and_an_early_stop_narrows_the_batch():
+    """A preempted request recomputed from position 1 (its rows from 1 on replaced), and every
+    request ending before its announced positions: the batch is as wide as what was kept."""
+    stream = stream_of({"a": 6, "b": 6})
+    step(stream, [("a", 3, 0), ("b", 1, 0)], rows(0, 1, 2, 7))
+    step(stream, [("a", 1, 1)], rows(11))
+    taken = stream.take(["b", "a"], {"a": KEEP_X, "b": KEEP_X})["x"]  # finished in another order
+    assert taken.values.squeeze(-1).tolist() == [[7, 0], [0, 11]]
+    assert taken.spans == [[(0, 1)], [(0, 2)]]
+    assert taken.values.is_contiguous()
+
+
+def test_a_compiled_call_writes_its_cache_on_the_host_as_steps_end(hooked, monkeypatch):
+    """On one rank with the cache on the host, the graph tier takes this path, and the cache
+    equals eager mode's."""
+    taken = []
+    original = HostStream.take
+    monkeypatch.setattr(HostStream, "take", lambda self, *a: taken.append(1) or original(self, *a))
+    names = ("blocks.0.hook_resid_post", "blocks.1.attn.hook_z")
+    compiled = hooked("llama", compiled_capture=names)
+    prompts = ["The host stream", "keeps rows as steps end, in their place"]
+    _, cache = compiled.run_with_cache(prompts, max_new_tokens=3, names_filter=list(names))
+    _, expected = hooked("llama").run_with_cache(prompts, max_new_tokens=3, names_filter=list(names))
+    assert taken
+    for name in names:
+        torch.testing.assert_close(cache[name], expected[name], rtol=1e-5, atol=1e-5)

@@ -1,0 +1,42 @@
+#!/bin/bash
+# Issue 21 on two GPUs (kind nvidia-h200-x2), in ONE device call after the carry calls of
+# tools/gpu/gpu.sh's header; writes logs and benchmark results under $OUT.
+#   tp:  compiled TP=2 Qwen3-MoE and Llama against one eager rank (tests/test_tensor_parallel.py),
+#        then the TP=2 benchmark of the graph tier (Qwen3-8B shape)         (about 7 minutes)
+#   one: the one-GPU benchmark of the graph tier on GPU 0 (every layer's capture streamed to the
+#        host), and at the same time on GPU 1 the graph tier's tests (tests/test_host_stream.py,
+#        tests/test_compiled.py)                                             (about 4 minutes)
+set -uo pipefail
+root=$(cd "$(dirname "$0")/../.." && pwd)
+OUT=${OUT:-/tmp/vlens-scale-out}
+mkdir -p "$OUT"
+source "$root/tools/gpu/gpu_setup.sh" || exit 1
+export NCCL_NVLS_ENABLE=0  # NVLink multicast stays off on the lent machines
+tests() {  # fp32 parity between compiled and eager: Triton's dots in IEEE precision
+  TRITON_F32_DEFAULT=ieee TRITON_CACHE_DIR=/tmp/triton-$1 \
+    VLENS_TEST_ENGINE_ARGS='{"gpu_memory_utilization": 0.08, "kv_cache_memory_bytes": 1073741824}' \
+    timeout "$2" python3 -m pytest -q -p no:cacheprovider "${@:3}" > "$OUT/tests-$1.log" 2>&1
+  echo "tests $1: exit $?"; tail -1 "$OUT/tests-$1.log"
+  grep -h "^FAILED\|^E " "$OUT/tests-$1.log" | head -10
+}
+bench() {  # tools/gpu/bench.sh without setting up again
+  mkdir -p "$OUT/$1"
+  python3 "$root/bench/run.py" --preset gpu --out "$OUT/$1" --profile "${@:2}" 2>&1 \
+    | tee "$OUT/$1/bench.log" | grep -E "^\[bench\]|^\||Error|error" || true
+}
+case "${1:-}" in
+  tp)
+    tests tp "${TEST_TIMEOUT:-200}" -k "compiled_two_ranks and (qwen3_moe or llama)" \
+      "$root/tests/test_tensor_parallel.py"
+    bench bench-tp --tensor-parallel-size 2 \
+      --skip eager,hf,transformer_lens --reps 2 --timeouts compiled=150,graph_1=200,graph_all=200
+    ;;
+  one)
+    (CUDA_VISIBLE_DEVICES=1 tests graph "${TEST_TIMEOUT:-280}" "$root/tests/test_host_stream.py" \
+      "$root/tests/test_compiled.py") &
+    CUDA_VISIBLE_DEVICES=0 bench bench-one --skip eager,hf,transformer_lens,graph_1 --reps 2 \
+      --timeouts compiled=150,graph_all=250
+    wait
+    ;;
+  *) echo "usage: gpu_scale.sh tp|one"; exit 2 ;;
+esac
