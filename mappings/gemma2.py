@@ -38,7 +38,6 @@ rotated q and k read here already carry.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -91,15 +90,6 @@ class ScaledOutput:
     def write(self, call: SiteCall, new: Tensor) -> None:
         value = OutputOf()(call)
         OutputOf().write(call, new / torch.tensor(self.factor, dtype=value.dtype))
-
-
-@dataclass(frozen=True)
-class EmbeddingLogits(LogitsOf):
-    """Logits at every row through the model's logits processor with the embedding as the
-    unembedding: vLLM's Gemma 2 has no ``lm_head`` (see :class:`~vlens.readers.LogitsOf`)."""
-
-    def unembedding(self, model: Any) -> Any:
-        return model.model.embed_tokens
 
 
 @dataclass(frozen=True)
@@ -202,7 +192,7 @@ def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
         "ln_final.hook_scale": rms_scale(resid_final, eps),
         "ln_final.hook_normalized": rms_normalized(resid_final, eps),
         "unembed.hook_out": HookSpec(
-            final.site, EmbeddingLogits(final.read), "pos d_vocab"
+            final.site, LogitsOf(final.read), "pos d_vocab"
         ),
     }
 

@@ -11,6 +11,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from vlens.parity.compare import PROMPTS
 from vlens.parity.reference import load_hf
+from vlens.readers import LogitsOf, OutputOf
 from vlens.runtime.attention_math import causal_scores
 from vlens.testing import tiny_model
 
@@ -98,3 +99,15 @@ def test_gemma2_edits_match_huggingface(hooked, name: str):
     finally:
         handle.remove()
     torch.testing.assert_close(logits[0], expected[0], rtol=1e-4, atol=1e-4)
+
+
+def test_logits_unembed_through_the_embedding_where_the_model_has_no_lm_head():
+    """vLLM's Gemma 2 (and Gemma in vLLM 0.26) always tie the unembedding and build no
+    ``lm_head``; a model that has one unembeds through it."""
+    embedding, head = nn.Embedding(8, 4), nn.Linear(4, 8, bias=False)
+    tied = nn.Module()
+    tied.model = nn.Module()
+    tied.model.embed_tokens = embedding
+    assert LogitsOf(OutputOf()).unembedding(tied) is embedding
+    tied.lm_head = head
+    assert LogitsOf(OutputOf()).unembedding(tied) is head

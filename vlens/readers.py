@@ -174,8 +174,10 @@ class LogitsOf:
         return model.logits_processor(head, rows, getattr(head, "bias", None))
 
     def unembedding(self, model: Any) -> Any:
-        """The module whose weight unembeds: vLLM's ``lm_head``."""
-        return model.lm_head
+        """The module whose weight unembeds: vLLM's ``lm_head``, or the embedding where the model
+        has none (its unembedding always tied: Gemma 2, and Gemma in vLLM 0.26)."""
+        head = getattr(model, "lm_head", None)
+        return head if head is not None else model.model.embed_tokens
 
 
 def centred(x: Float[Tensor, "... d"]) -> Float[Tensor, "... d"]:

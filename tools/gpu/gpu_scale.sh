@@ -1,11 +1,12 @@
 #!/bin/bash
-# Issue 21 on two GPUs (kind nvidia-h200-x2), in ONE device call after the carry calls of
-# tools/gpu/gpu.sh's header; writes logs and benchmark results under $OUT.
+# Issue 21 on two GPUs (kind nvidia-h200-x2; `one` also runs on one), in ONE device call after
+# the carry calls of tools/gpu/gpu.sh's header; writes logs and benchmark results under $OUT.
 #   tp:  compiled TP=2 Qwen3-MoE and Llama against one eager rank (tests/test_tensor_parallel.py),
 #        then the TP=2 benchmark of the graph tier (Qwen3-8B shape)         (about 7 minutes)
 #   one: the one-GPU benchmark of the graph tier on GPU 0 (every layer's capture streamed to the
-#        host), and at the same time on GPU 1 the graph tier's tests (tests/test_host_stream.py,
-#        tests/test_compiled.py)                                             (about 4 minutes)
+#        host), and on GPU 1 at the same time (or after it, on a one-GPU machine) the graph
+#        tier's tests (tests/test_host_stream.py, tests/test_compiled.py; TEST_K selects)
+#                                                                            (about 4 minutes)
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 OUT=${OUT:-/tmp/vlens-scale-out}
@@ -31,12 +32,16 @@ case "${1:-}" in
     bench bench-tp --tensor-parallel-size 2 \
       --skip eager,hf,transformer_lens --reps 2 --timeouts compiled=150,graph_1=200,graph_all=200
     ;;
-  one)
-    (CUDA_VISIBLE_DEVICES=1 tests graph "${TEST_TIMEOUT:-280}" "$root/tests/test_host_stream.py" \
-      "$root/tests/test_compiled.py") &
+  one)  # the tests on GPU 1 during the benchmark where there is one, else after it
+    gpus=$(nvidia-smi -L | wc -l)
+    graph_tests() {
+      CUDA_VISIBLE_DEVICES=$((gpus > 1)) tests graph "${TEST_TIMEOUT:-280}" \
+        "$root/tests/test_host_stream.py" "$root/tests/test_compiled.py" ${TEST_K:+-k "$TEST_K"}
+    }
+    if ((gpus > 1)); then graph_tests & fi
     CUDA_VISIBLE_DEVICES=0 bench bench-one --skip eager,hf,transformer_lens,graph_1 --reps 2 \
       --timeouts compiled=150,graph_all=250
-    wait
+    if ((gpus > 1)); then wait; else graph_tests; fi
     ;;
   *) echo "usage: gpu_scale.sh tp|one"; exit 2 ;;
 esac

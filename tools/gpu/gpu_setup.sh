@@ -1,5 +1,6 @@
 #!/bin/bash
-# Sourced on the GPU machine by gpu.sh, gpu_parity.sh, gpu_deepseek.sh, gpu_graph.sh, gpu_tp.sh and bench.sh:
+# Sourced on the GPU machine by gpu.sh, gpu_parity.sh, gpu_deepseek.sh, gpu_graph.sh, gpu_tp.sh,
+# gpu_scale.sh, gpu_host_copy.sh and bench.sh:
 # installs what the machine lacks and sets the environment. Expects the carry calls of
 # ../shared/gpu/README.md to have filled /tmp/vlens-parts (vLLM 0.26.0 in parts, its dependencies,
 # and what prepare_gpu.sh adds: transformer_lens and its import-time dependencies as wheels, tiny

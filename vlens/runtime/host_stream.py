@@ -11,6 +11,12 @@ the compute stream (a copy inside the GPU's memory), and the side stream scatter
 pinned host memory through the GPU's view of it (unified addressing), so the transfer overlaps
 the next steps. At most :data:`IN_FLIGHT` steps' clones wait for their transfer, which bounds
 the GPU memory the captures hold whatever the call's size. On the CPU the scatter is the copy.
+
+The alternative that leaves the SMs alone, staging each step's rows in pinned blocks by DMA and
+scattering them on the host into an ordinary (pageable) cache, was faster in isolation
+(``bench/host_copy.py``: 0.98× against this path's 0.94× of the GPU's plain speed) but held
+every-layer generation inside vLLM to 0.34× plain compiled, with host threads and with vLLM's
+own thread doing the scatter alike (``bench/RESULTS.md``, 2026-12-01).
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from torch import Tensor
 
 from vlens.runtime.layout import RequestRows
 from vlens.runtime.messages import PaddedRows, Span
-from vlens.runtime.step_store import Segment, layout_spans
+from vlens.runtime.step_store import Segment, layout_spans, row_index
 
 #: Steps whose rows may be on their way to the host at once (GPU): the oldest is waited for
 #: beyond this.
@@ -93,11 +99,9 @@ class HostStream:
             held = int(min(max(room[at], 0), lengths[at]))
             segments.append(Segment(request.tag, held, request.first_position))
         self.steps.append(segments)
-        before = np.cumsum(lengths) - lengths
-        within = np.arange(int(lengths.sum())) - np.repeat(before, lengths)
-        rows = np.repeat(starts, lengths) + within
-        rows[within >= np.repeat(room, lengths)] = self.batch * self.width
-        targets = torch.from_numpy(rows)
+        targets = row_index(starts, lengths)
+        within = row_index(np.zeros_like(starts), lengths)  # each row's offset in its request
+        targets[within >= torch.from_numpy(np.repeat(room, lengths))] = self.batch * self.width
         if self._side is None:
             return targets
         self._transfers.append(_Transfer(torch.cuda.Event()))

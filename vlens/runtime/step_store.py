@@ -109,8 +109,8 @@ class _Layout:
         """Worked out with array operations: a generation of 256 requests has ~33,000
         segments per name."""
         held = _HeldRows.of([segments for segments, _ in steps], index_of, keepers, batch)
-        source = None if held.whole else _row_index(held.start, held.length)
-        target = _row_index(held.request * held.width + held.first, held.length)
+        source = None if held.whole else row_index(held.start, held.length)
+        target = row_index(held.request * held.width + held.first, held.length)
         return cls(batch, held.width, source, target, held.spans(batch))
 
     def scatter(self, steps: Sequence[tuple[object, Tensor]], device: torch.device) -> Tensor:
@@ -219,7 +219,7 @@ def _still_held(request: np.ndarray, first: np.ndarray, length: np.ndarray) -> n
     return np.clip(cut - first, 0, length)
 
 
-def _row_index(starts: np.ndarray, lengths: np.ndarray) -> Tensor:
+def row_index(starts: np.ndarray, lengths: np.ndarray) -> Tensor:
     """Rows ``start .. start + length - 1`` of each ``(start, length)``, one after the other."""
     before = np.cumsum(lengths) - lengths
     within = np.arange(int(lengths.sum())) - np.repeat(before, lengths)
@@ -271,7 +271,7 @@ def row_selection(spans: Sequence[tuple[int, int]], device: torch.device) -> sli
     if all(stop == next_start for (_, stop), (next_start, _) in zip(spans, spans[1:])):
         return slice(first, last)
     starts, stops = np.array(spans, dtype=np.int64).T
-    return _row_index(starts, stops - starts).to(device)
+    return row_index(starts, stops - starts).to(device)
 
 
 def copy_rows(value: Tensor, selection: slice | Tensor) -> Tensor:
