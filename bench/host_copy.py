@@ -68,18 +68,14 @@ class DmaHost:
             self.free.put(torch.empty(block_bytes, dtype=torch.uint8, pin_memory=True))
         self.side = torch.cuda.Stream(device)
         self.work: queue.Queue = queue.Queue()
-        self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(threads)]
-        for thread in self.threads:
-            thread.start()
+        for _ in range(threads):
+            threading.Thread(target=self._run, daemon=True).start()
         self.pending = 0
         self.done = threading.Semaphore(0)
 
     def _run(self) -> None:
         while True:
-            item = self.work.get()
-            if item is None:
-                return
-            event, block, staged, final, targets = item
+            event, block, staged, final, targets = self.work.get()
             event.synchronize()
             final.index_copy_(0, targets, staged)
             self.free.put(block)

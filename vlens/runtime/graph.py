@@ -39,7 +39,7 @@ from vlens.runtime.layout import RequestRows
 from vlens.runtime.messages import PaddedRows
 from vlens.runtime.patches import apply_cpu_patches
 from vlens.runtime.sites import NarrowedCall, install_site
-from vlens.runtime.step_store import StepStore, copy_rows, kept_rows, row_selection
+from vlens.runtime.step_store import StepStore, copy_rows, kept_rows
 from vlens.runtime.tensor_parallel import TensorParallel
 from vlens.steering import Steer, steered
 
@@ -233,12 +233,9 @@ class GraphSites:
         keepers = [request for request in layout or () if keep.get(request.tag)]
         if not names or not keepers:
             return
+        selection, segments = kept_rows(keepers, self.device)
         stream = self.call.stream
-        if stream is not None:
-            selection = row_selection([(r.start, r.stop) for r in keepers], self.device)
-            targets = stream.begin_step(keepers)
-        else:
-            selection, segments = kept_rows(keepers, self.device)
+        targets = stream.begin_step(keepers) if stream is not None else None
         for name in names:
             read = self.names[name].read
             logits = isinstance(read, LogitsOf)  # under tensor parallelism a collective

@@ -99,8 +99,8 @@ class HostStream:
             held = int(min(max(room[at], 0), lengths[at]))
             segments.append(Segment(request.tag, held, request.first_position))
         self.steps.append(segments)
-        targets = row_index(starts, lengths)
         within = row_index(np.zeros_like(starts), lengths)  # each row's offset in its request
+        targets = torch.from_numpy(np.repeat(starts, lengths)) + within
         targets[within >= torch.from_numpy(np.repeat(room, lengths))] = self.batch * self.width
         if self._side is None:
             return targets
