@@ -5,6 +5,7 @@ and rows vLLM replaced left out, as :class:`~vlens.runtime.step_store.StepStore`
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from vlens.runtime.host_stream import HostStream, Slot
@@ -12,15 +13,24 @@ from vlens.runtime.layout import RequestRows
 from vlens.runtime.step_store import Segment, StepStore
 
 KEEP_X = frozenset({"x"})
-CPU = torch.device("cpu")
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")),
+]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> torch.device:
+    """Where the steps' rows are computed: on a GPU they go over by the copy engines."""
+    return torch.device(request.param)
 
 
 def rows(*values: float) -> torch.Tensor:
     return torch.tensor(values).reshape(-1, 1)
 
 
-def stream_of(positions: dict[str, int]) -> HostStream:
-    stream = HostStream(len(positions), CPU)
+def stream_of(positions: dict[str, int], device: torch.device) -> HostStream:
+    stream = HostStream(len(positions), device)
     for index, (tag, count) in enumerate(positions.items()):
         stream.follow(tag, Slot(index, len(positions), count))
     return stream
@@ -32,13 +42,13 @@ def step(stream: HostStream, requests: list[tuple[str, int, int]], values: torch
     for tag, length, first in requests:
         keepers.append(RequestRows(tag, start, start + length, first, 0))
         start += length
-    targets = stream.begin_step(keepers)
-    stream.write("x", values, targets)
+    stream.begin_step(keepers)
+    stream.write(["x"], values.to(stream.device)[None])
     stream.end_step()
 
 
-def test_rows_land_at_their_request_and_position_as_the_step_store_lays_them_out():
-    stream = stream_of({"a": 4, "b": 4})
+def test_rows_land_at_their_request_and_position_as_the_step_store_lays_them_out(device):
+    stream = stream_of({"a": 4, "b": 4}, device)
     store = StepStore()
     steps = [
         ([("a", 3, 0), ("b", 2, 0)], rows(0, 1, 2, 3, 4)),
@@ -55,9 +65,11 @@ def test_rows_land_at_their_request_and_position_as_the_step_store_lays_them_out
     assert torch.equal(streamed.values, stored.values)
 
 
-def test_padding_and_names_a_request_does_not_keep_are_zero_whatever_memory_held():
-    stream = stream_of({"a": 3, "b": 3, "c": 3})
+def test_padding_and_names_a_request_does_not_keep_are_zero_whatever_memory_held(device):
+    stream = stream_of({"a": 3, "b": 3, "c": 3}, device)
     step(stream, [("a", 2, 0), ("b", 2, 0), ("c", 1, 0)], rows(1, 2, 3, 4, 5))
+    if device.type == "cuda":
+        torch.cuda.synchronize()  # the step's copy has landed
     stream.host["x"].fill_(99.0)  # what an uninitialised allocation may hold
     step(stream, [("a", 1, 2)], rows(6))
     keeps = {"a": KEEP_X, "b": KEEP_X, "c": frozenset()}
@@ -66,10 +78,10 @@ def test_padding_and_names_a_request_does_not_keep_are_zero_whatever_memory_held
     assert taken.spans == [[(0, 3)], [(0, 2)], []]
 
 
-def test_a_row_past_the_announced_positions_is_left_out():
+def test_a_row_past_the_announced_positions_is_left_out(device):
     """With asynchronous scheduling vLLM runs one more forward for a request that has just
     finished: that row goes to the spare row, not into the next request's positions."""
-    stream = stream_of({"a": 2, "b": 2})
+    stream = stream_of({"a": 2, "b": 2}, device)
     step(stream, [("a", 2, 0), ("b", 2, 0)], rows(1, 2, 3, 4))
     step(stream, [("a", 1, 2), ("b", 1, 2)], rows(5, 6))  # one position too many each
     taken = stream.take(["a", "b"], {"a": KEEP_X, "b": KEEP_X})["x"]
@@ -77,10 +89,10 @@ def test_a_row_past_the_announced_positions_is_left_out():
     assert taken.spans == [[(0, 2)], [(0, 2)]]
 
 
-def test_replaced_rows_are_dropped_and_an_early_stop_narrows_the_batch():
+def test_replaced_rows_are_dropped_and_an_early_stop_narrows_the_batch(device):
     """A preempted request recomputed from position 1 (its rows from 1 on replaced), and every
     request ending before its announced positions: the batch is as wide as what was kept."""
-    stream = stream_of({"a": 6, "b": 6})
+    stream = stream_of({"a": 6, "b": 6}, device)
     step(stream, [("a", 3, 0), ("b", 1, 0)], rows(0, 1, 2, 7))
     step(stream, [("a", 1, 1)], rows(11))
     taken = stream.take(["b", "a"], {"a": KEEP_X, "b": KEEP_X})["x"]  # finished in another order
@@ -89,13 +101,47 @@ def test_replaced_rows_are_dropped_and_an_early_stop_narrows_the_batch():
     assert taken.values.is_contiguous()
 
 
+def test_names_written_together_land_as_each_written_alone(device):
+    """Three names' rows of a step as one ``[names, rows, ...]`` tensor, over steps that take
+    each way of copying (decode rows all at one position, then at mixed ones; a prefill of
+    equal prompts): each name's cache equals the step store's."""
+    positions = {f"r{i}": 5 for i in range(6)}
+    stream = stream_of(positions, device)
+    store = StepStore()
+    names = ["p", "q", "s"]
+    generator = torch.Generator().manual_seed(0)
+    steps = [
+        [(f"r{i}", 3, 0) for i in range(6)],  # prefill of equal prompts
+        [(f"r{i}", 1, 3) for i in (0, 2, 1, 3, 4, 5)],  # one position, out of order
+        [("r5", 1, 4), ("r0", 1, 4), ("r1", 2, 3), ("r2", 1, 4)],  # r1 recomputed from 3
+    ]
+    for requests in steps:
+        keepers, start = [], 0
+        for tag, length, first in requests:
+            keepers.append(RequestRows(tag, start, start + length, first, 0))
+            start += length
+        values = torch.randn(len(names), start, 2, 3, generator=generator)
+        stream.begin_step(keepers)
+        stream.write(names, values.to(device))
+        stream.end_step()
+        segments = [Segment(tag, n, first) for tag, n, first in requests]
+        for name, name_values in zip(names, values):
+            store.add(name, segments, name_values)
+    tags = list(positions)
+    keeps = {tag: frozenset(names) for tag in tags}
+    streamed, stored = stream.take(tags, keeps), store.take(tags, keeps, "cpu")
+    for name in names:
+        assert streamed[name].spans == stored[name].spans
+        assert torch.equal(streamed[name].values, stored[name].values)
+
+
 def test_a_compiled_call_writes_its_cache_on_the_host_as_steps_end(hooked, monkeypatch):
     """On one rank with the cache on the host, the graph tier takes this path, and the cache
     equals eager mode's."""
     taken = []
     original = HostStream.take
     monkeypatch.setattr(HostStream, "take", lambda self, *a: taken.append(1) or original(self, *a))
-    names = ("blocks.0.hook_resid_post", "blocks.1.attn.hook_z")
+    names = ("blocks.0.hook_resid_post", "blocks.1.hook_resid_post", "blocks.1.attn.hook_z")
     compiled = hooked("llama", compiled_capture=names)
     prompts = ["The host stream", "keeps rows as steps end, in their place"]
     _, cache = compiled.run_with_cache(prompts, max_new_tokens=3, names_filter=list(names))

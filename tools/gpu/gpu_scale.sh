@@ -5,8 +5,8 @@
 #        then the TP=2 benchmark of the graph tier (Qwen3-8B shape)         (about 7 minutes)
 #   one: the one-GPU benchmark of the graph tier on GPU 0 (every layer's capture streamed to the
 #        host), and on GPU 1 at the same time (or after it, on a one-GPU machine) the graph
-#        tier's tests (tests/test_host_stream.py, tests/test_compiled.py; TEST_K selects)
-#                                                                            (about 4 minutes)
+#        tier's tests (tests/test_host_stream.py, tests/test_compiled.py; TEST_K selects);
+#        BENCH_SKIP=eager,hf,transformer_lens also measures one layer and steering (about 4-6 min)
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 OUT=${OUT:-/tmp/vlens-scale-out}
@@ -39,8 +39,8 @@ case "${1:-}" in
         "$root/tests/test_host_stream.py" "$root/tests/test_compiled.py" ${TEST_K:+-k "$TEST_K"}
     }
     if ((gpus > 1)); then graph_tests & fi
-    CUDA_VISIBLE_DEVICES=0 bench bench-one --skip eager,hf,transformer_lens,graph_1 --reps 2 \
-      --timeouts compiled=150,graph_all=250
+    CUDA_VISIBLE_DEVICES=0 bench bench-one --skip "${BENCH_SKIP:-eager,hf,transformer_lens,graph_1}" \
+      --reps 2 --timeouts compiled=150,graph_1=200,graph_all=250
     if ((gpus > 1)); then wait; else graph_tests; fi
     ;;
   *) echo "usage: gpu_scale.sh tp|one"; exit 2 ;;

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -39,7 +40,14 @@ from vlens.runtime.layout import RequestRows
 from vlens.runtime.messages import PaddedRows
 from vlens.runtime.patches import apply_cpu_patches
 from vlens.runtime.sites import NarrowedCall, install_site
-from vlens.runtime.step_store import StepStore, copy_rows, kept_rows
+from vlens.runtime.step_store import (
+    Segment,
+    StepStore,
+    copy_rows,
+    kept_rows,
+    row_index,
+    stacked_rows,
+)
 from vlens.runtime.tensor_parallel import TensorParallel
 from vlens.steering import Steer, steered
 
@@ -77,7 +85,10 @@ class SteeringBuffers:
     add: Tensor
     gain: Tensor
     ablate: Tensor
-    dirty: Tensor | None = None  # rows set for the last step, reset before the next
+    #: what the last step's rows hold: their rows, which terms each took, and from which
+    #: table (reset before a step that needs other terms)
+    placed: tuple[np.ndarray, np.ndarray, Terms] | None = None
+    dirty: Tensor | None = None  # the same rows on the device
 
     @classmethod
     def allocate(
@@ -86,12 +97,24 @@ class SteeringBuffers:
         zeros = torch.zeros(rows, width, device=device, dtype=dtype)
         return cls(zeros, torch.ones_like(zeros), torch.zeros_like(zeros))
 
+    def holds(self, rows: np.ndarray, sources: np.ndarray, terms: Terms | None) -> bool:
+        """Whether the rows already hold these terms (a decode step steering the same requests
+        in the same rows as the last: nothing to write)."""
+        if self.placed is None:
+            return not len(rows)
+        placed_rows, placed_sources, placed_terms = self.placed
+        return (
+            placed_terms is terms
+            and np.array_equal(placed_rows, rows)
+            and np.array_equal(placed_sources, sources)
+        )
+
     def reset(self) -> None:
         if self.dirty is not None:
             self.add.index_fill_(0, self.dirty, 0.0)
             self.gain.index_fill_(0, self.dirty, 1.0)
             self.ablate.index_fill_(0, self.dirty, 0.0)
-            self.dirty = None
+        self.dirty = self.placed = None
 
     def set_rows(self, rows: Tensor, terms: Terms, sources: Tensor) -> None:
         """Row ``rows[i]`` gets the terms of table entry ``sources[i]``."""
@@ -140,6 +163,9 @@ class GraphSites:
         self.parallel = parallel if parallel.size > 1 else None
         captured = sorted(g.name for g in names if g.capture)
         self.kept_here = frozenset(captured[parallel.rank :: parallel.size])
+        #: every rank copies out every captured name, kept here or not: a value gathered over
+        #: the ranks that one rank left unused would lose its gather to the compiler there, and
+        #: the ranks' collectives would no longer match
         self.captured = {
             g.name: torch.zeros(max_tokens, *g.trailing, device=device, dtype=dtype)
             for g in names
@@ -211,50 +237,80 @@ class GraphSites:
     def before_step(self, layout: list[RequestRows] | None) -> None:
         """Put the steered requests' terms on their rows of this step; every other row neutral."""
         for name, buffers in self.steering.items():
+            rows, sources = self._steered_rows(name, layout or ())
+            terms = self._stacked(name) if len(rows) else None
+            if buffers.holds(rows, sources, terms):
+                continue
             buffers.reset()
-            rows: list[int] = []
-            sources: list[int] = []
-            for request in layout or ():
-                entry = self.call.steering.get(request.tag, {}).get(name)
-                if entry is None:
-                    continue
-                index, steer = entry
-                chosen = steer.offsets(request.first_position, request.stop - request.start)
-                rows += [request.start + offset for offset in chosen]
-                sources += [index] * len(chosen)
-            if rows:
-                terms = self._stacked(name)
+            if terms is not None:
                 buffers.set_rows(self._index(rows), terms, self._index(sources))
+                buffers.placed = (rows, sources, terms)
+
+    def _steered_rows(
+        self, name: str, layout: Sequence[RequestRows]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The step's rows that ``name``'s steers change, and the entry of its table each
+        takes: a request steered at every position takes all its rows."""
+        starts: list[int] = []
+        lengths: list[int] = []
+        entries: list[int] = []
+        for request in layout:
+            entry = self.call.steering.get(request.tag, {}).get(name)
+            if entry is None:
+                continue
+            index, steer = entry
+            count = request.stop - request.start
+            if steer.positions is None:
+                starts.append(request.start)
+                lengths.append(count)
+                entries.append(index)
+                continue
+            for offset in steer.offsets(request.first_position, count):
+                starts.append(request.start + offset)
+                lengths.append(1)
+                entries.append(index)
+        length = np.array(lengths, dtype=np.int64)
+        rows = row_index(np.array(starts, dtype=np.int64), length).numpy()
+        return rows, np.repeat(np.array(entries, dtype=np.int64), length)
 
     def after_step(self, layout: list[RequestRows] | None) -> None:
-        """Copy out the rows of the requests that keep something from this step."""
+        """Copy out the rows of the requests that keep something from this step: each name's
+        own, and names of one shape side by side (``[names, rows, ...]``, one copy for all)."""
         keep = self.call.keep
-        names = sorted({name for tag_names in keep.values() for name in tag_names})
+        names = {name for tag_names in keep.values() for name in tag_names}
         keepers = [request for request in layout or () if keep.get(request.tag)]
         if not names or not keepers:
             return
         selection, segments = kept_rows(keepers, self.device)
         stream = self.call.stream
-        targets = stream.begin_step(keepers) if stream is not None else None
-        for name in names:
+        if stream is not None:
+            stream.begin_step(keepers)
+        by_shape: dict[tuple[int, ...], list[str]] = defaultdict(list)
+        for name in sorted(names & self.captured.keys()):
             read = self.names[name].read
-            logits = isinstance(read, LogitsOf)  # under tensor parallelism a collective
-            if name not in self.kept_here and not logits:
-                continue
+            if isinstance(read, LogitsOf):
+                rows = read.logits(self.model, copy_rows(self.captured[name], selection))
+                if name in self.kept_here:
+                    self._keep([name], rows[None], segments)
+            elif name in self.kept_here:
+                by_shape[self.names[name].trailing].append(name)
+        for shape_names in by_shape.values():
+            buffers = [self.captured[name] for name in shape_names]
             if stream is not None and self.device.type == "cpu":
-                rows = self.captured[name][selection]  # scattered before the next step
+                # scattered before the next step: views (or gathers) of the buffers do
+                self._keep(shape_names, [buffer[selection] for buffer in buffers], segments)
             else:
-                rows = copy_rows(self.captured[name], selection)
-            if logits:  # every rank computes them
-                rows = read.logits(self.model, rows)
-            if name not in self.kept_here:
-                continue
-            if stream is not None:
-                stream.write(name, rows, targets)
-            else:
-                self.call.kept.add(name, segments, rows)
+                self._keep(shape_names, stacked_rows(buffers, selection), segments)
         if stream is not None:
             stream.end_step()
+
+    def _keep(self, names: list[str], rows: Sequence[Tensor], segments: list[Segment]) -> None:
+        """One step's ``rows[i]`` of ``names[i]``, to the host or into the call's store."""
+        if self.call.stream is not None:
+            self.call.stream.write(names, rows)
+            return
+        for name, name_rows in zip(names, rows):
+            self.call.kept.add(name, segments, name_rows)
 
     def finish(self, tags: Sequence[str], device: str = "cpu") -> dict[str, PaddedRows]:
         """The finished requests' kept rows, on ``device`` (see :class:`StepStore`). Forgets
@@ -300,8 +356,8 @@ class GraphSites:
             self.call.stacked[name] = (add, gain, ablate)
         return self.call.stacked[name]
 
-    def _index(self, values: list[int]) -> Tensor:
-        host = torch.tensor(values, dtype=torch.long)
+    def _index(self, values: np.ndarray) -> Tensor:
+        host = torch.from_numpy(values)
         if self.device.type == "cuda":
             return host.pin_memory().to(self.device, non_blocking=True)
         return host.to(self.device)

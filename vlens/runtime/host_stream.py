@@ -5,18 +5,22 @@ call says how many positions each request can run, the padded ``[batch, pos, ...
 every kept name is allocated on the host when the name is first kept, and each step's rows are
 copied into their final rows as the step ends: no step's rows wait on the device until the call
 ends, and nothing is copied again after it (an every-layer generation of 256 requests is 19 GB).
+Names written together (a step's rows of every name of one shape, ``[names, rows, ...]``) share
+one host tensor ``[names, batch * width + 1, ...]``, so that on a GPU the step's rows of all of
+them go over in one set of copies.
 
 On a GPU the copy runs on a side stream while later steps compute: the step's rows are cloned on
-the compute stream (a copy inside the GPU's memory), and the side stream scatters the clone into
-pinned host memory through the GPU's view of it (unified addressing), so the transfer overlaps
-the next steps. At most :data:`IN_FLIGHT` steps' clones wait for their transfer, which bounds
-the GPU memory the captures hold whatever the call's size. On the CPU the scatter is the copy.
+the compute stream (a copy inside the GPU's memory), and the side stream moves the clone into
+pinned host memory by the GPU's copy engines, as pitched copies of the requests' runs of rows
+(:mod:`vlens.runtime.pitched_copy`), so the transfer overlaps the next steps and leaves the SMs
+to them. At most :data:`IN_FLIGHT` steps' clones wait for their transfer, which bounds the GPU
+memory the captures hold whatever the call's size. On the CPU the scatter is the copy.
 
-The alternative that leaves the SMs alone, staging each step's rows in pinned blocks by DMA and
-scattering them on the host into an ordinary (pageable) cache, was faster in isolation
-(``bench/host_copy.py``: 0.98× against this path's 0.94× of the GPU's plain speed) but held
-every-layer generation inside vLLM to 0.34× plain compiled, with host threads and with vLLM's
-own thread doing the scatter alike (``bench/RESULTS.md``, 2026-12-01).
+Two other ways measured slower on an H200 (``bench/RESULTS.md``, 2026-12-01): the SMs scattering
+the rows into the pinned cache through the GPU's view of it (unified addressing: every layer's
+generation at 0.84× plain compiled, against 0.94× this way), and staging each step's rows by DMA
+and scattering them on the host into an ordinary cache (0.35×: the host's scatter ran at
+~4.5 GB/s inside vLLM, cause not established).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from torch import Tensor
 
 from vlens.runtime.layout import RequestRows
 from vlens.runtime.messages import PaddedRows, Span
+from vlens.runtime.pitched_copy import Runs, copy_engines, pitched_copies
 from vlens.runtime.step_store import Segment, layout_spans, row_index
 
 #: Steps whose rows may be on their way to the host at once (GPU): the oldest is waited for
@@ -56,23 +61,29 @@ class _Transfer:
 
 
 class HostStream:
-    """Every kept name's ``[batch * width, ...]`` rows on the host, filled as steps end."""
+    """Every kept name's ``[batch * width + 1, ...]`` rows on the host, filled as steps end (the
+    last row takes what no request holds)."""
 
     def __init__(self, batch: int, device: torch.device) -> None:
         self.batch = batch
         self.device = device
         self.slots: dict[str, Slot] = {}
         self.width = 0
-        self.host: dict[str, Tensor] = {}
-        self._writable: dict[str, Tensor] = {}  # what the scatter writes: the GPU's view on CUDA
+        self.host: dict[str, Tensor] = {}  # each name's rows: a view of its group's
+        self._groups: dict[tuple[str, ...], Tensor] = {}  # names -> their [names, rows, ...]
         self.steps: list[list[Segment]] = []
+        self._targets = torch.empty(0, dtype=torch.long)  # the step's rows' host rows (CPU)
+        self._runs: Runs | None = None  # the same as runs of rows (GPU)
+        self._engines = copy_engines(device) if device.type == "cuda" else None
         self._side = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._transfers: deque[_Transfer] = deque()
 
     @staticmethod
     def available(device: torch.device) -> bool:
         """Whether rows on ``device`` can be written into host memory as they are computed."""
-        return device.type == "cpu" or (device.type == "cuda" and _cuda_view_op() is not None)
+        return device.type == "cpu" or (
+            device.type == "cuda" and copy_engines(device) is not None
+        )
 
     def follow(self, tag: str, slot: Slot) -> None:
         if slot.batch != self.batch:
@@ -82,11 +93,11 @@ class HostStream:
         self.slots[tag] = slot
         self.width = max(self.width, slot.positions)
 
-    def begin_step(self, keepers: Sequence[RequestRows]) -> Tensor:
-        """Start a step whose kept requests are ``keepers``: where each of their rows goes in
-        the flattened ``[batch * width]`` rows. A row past a request's announced positions (with
-        asynchronous scheduling vLLM runs one more forward for a request that has just finished)
-        is not part of its cache: it goes to a spare row past the batch."""
+    def begin_step(self, keepers: Sequence[RequestRows]) -> None:
+        """Start a step whose kept requests are ``keepers``: work out where each of their rows
+        goes in the flattened ``[batch * width]`` rows. A row past a request's announced
+        positions (with asynchronous scheduling vLLM runs one more forward for a request that
+        has just finished) is not part of its cache: it goes nowhere (the spare last row)."""
         starts = np.empty(len(keepers), dtype=np.int64)  # each request's first target row
         lengths = np.empty(len(keepers), dtype=np.int64)
         room = np.empty(len(keepers), dtype=np.int64)  # how many of its rows it holds
@@ -99,27 +110,30 @@ class HostStream:
             held = int(min(max(room[at], 0), lengths[at]))
             segments.append(Segment(request.tag, held, request.first_position))
         self.steps.append(segments)
-        within = row_index(np.zeros_like(starts), lengths)  # each row's offset in its request
-        targets = torch.from_numpy(np.repeat(starts, lengths)) + within
-        targets[within >= torch.from_numpy(np.repeat(room, lengths))] = self.batch * self.width
+        within = row_index(np.zeros_like(starts), lengths).numpy()  # offset in its request
+        targets = np.repeat(starts, lengths) + within
+        kept = within < np.repeat(room, lengths)
         if self._side is None:
-            return targets
-        self._transfers.append(_Transfer(torch.cuda.Event()))
-        return targets.pin_memory().to(self.device, non_blocking=True)
+            targets[~kept] = self.batch * self.width
+            self._targets = torch.from_numpy(targets)
+        else:
+            self._runs = Runs.of(targets, kept)
+            self._transfers.append(_Transfer(torch.cuda.Event()))
 
-    def write(self, name: str, rows: Tensor, targets: Tensor) -> None:
-        """Scatter one step's ``rows`` of ``name`` (a tensor the caller no longer changes, or, on
-        the CPU, one read before the next step) to ``targets``."""
-        if name not in self.host:
-            self._allocate(name, rows)
-        if self._side is None:
-            self.host[name].index_copy_(0, targets, rows)
+    def write(self, names: Sequence[str], rows: Sequence[Tensor]) -> None:
+        """Scatter one step's ``rows[i]`` of ``names[i]`` (tensors the caller no longer
+        changes, or, on the CPU, ones read before the next step). On a GPU ``rows`` is one
+        ``[names, step rows, ...]`` tensor: its names go over together."""
+        together = tuple(names)
+        if together not in self._groups and not any(name in self.host for name in names):
+            self._allocate(together, rows[0])
+        if together in self._groups:
+            self._copy(self._groups[together], rows)
             return
-        transfer = self._transfers[-1]
-        self._side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._side):
-            self._writable[name].index_copy_(0, targets, rows)
-        transfer.held += [rows, targets]
+        for name, name_rows in zip(names, rows):  # the call's names changed between steps
+            if name not in self.host:
+                self._allocate((name,), name_rows)
+            self._copy(self.host[name][None], name_rows[None])
 
     def end_step(self) -> None:
         """Mark the step's transfers, and wait for the oldest beyond :data:`IN_FLIGHT`."""
@@ -159,16 +173,31 @@ class HostStream:
             taken[name] = PaddedRows(values, spans)
         return taken
 
-    def _allocate(self, name: str, rows: Tensor) -> None:
-        """The host rows of ``name``, allocated in the step (vLLM's inference mode) as ordinary
-        tensors: they become the user's cache."""
-        shape = (self.batch * self.width + 1, *rows.shape[1:])  # and the spare row
-        pinned = self._side is not None
+    def _copy(self, host: Tensor, rows: Sequence[Tensor]) -> None:
+        """This step's ``rows`` of the names of ``host`` (``[names, batch * width + 1, ...]``)."""
+        if self._side is None:
+            for name_host, name_rows in zip(host, rows):
+                name_host.index_copy_(0, self._targets, name_rows)
+            return
+        assert self._engines is not None and self._runs is not None
+        if not isinstance(rows, Tensor):
+            rows = torch.stack(list(rows))
+        row_bytes = rows[0, 0].numel() * rows.element_size()
+        copies = pitched_copies(self._runs, rows.shape[0], rows.shape[1], host.shape[1],
+                                row_bytes, self._engines.max_pitch)
+        self._side.wait_stream(torch.cuda.current_stream(self.device))
+        self._engines.run(host, rows, copies, self._side)
+        self._transfers[-1].held.append(rows)
+
+    def _allocate(self, names: tuple[str, ...], rows: Tensor) -> None:
+        """The host rows of ``names`` (each like ``rows``), allocated in the step (vLLM's
+        inference mode) as ordinary tensors: they become the user's cache."""
+        shape = (len(names), self.batch * self.width + 1, *rows.shape[1:])  # and the spare row
         with torch.inference_mode(False):
-            host = torch.empty(shape, dtype=rows.dtype, pin_memory=pinned)
-        self.host[name] = host
-        if pinned:
-            self._writable[name] = _cuda_view_op()(host)
+            host = torch.empty(shape, dtype=rows.dtype, pin_memory=self._side is not None)
+        self._groups[names] = host
+        for name, name_rows in zip(names, host):
+            self.host[name] = name_rows
 
 
 def _zero_outside(padded: Tensor, spans: Sequence[Sequence[Span]]) -> None:
@@ -182,12 +211,3 @@ def _zero_outside(padded: Tensor, spans: Sequence[Sequence[Span]]) -> None:
             position = max(position, first + length)
         if position < width:
             padded[index, position:] = 0
-
-
-def _cuda_view_op():
-    """vLLM's operator giving a CUDA tensor over pinned host memory (unified addressing), or None
-    where this build of vLLM has none."""
-    try:
-        return torch.ops._C.get_cuda_view_from_cpu_tensor
-    except (AttributeError, RuntimeError):
-        return None
