@@ -85,8 +85,9 @@ def pitched_copies(
     ``[names, step_rows, ...]`` to the host's ``[names, host_rows, ...]``. No pitch exceeds
     ``max_pitch`` bytes (the device's limit)."""
     per_run: list[Copy] = []
-    if host_rows * row_bytes <= max_pitch or names == 1:
-        host_pitch, step_pitch = (host_rows * row_bytes, step_rows * row_bytes) if names > 1 else (0, 0)
+    if names == 1 or host_rows * row_bytes <= max_pitch:  # one name: its pitch goes unused
+        host_pitch = host_rows * row_bytes if names > 1 else 0
+        step_pitch = step_rows * row_bytes if names > 1 else 0
         per_run = [
             Copy(target * row_bytes, max(host_pitch, length * row_bytes), source * row_bytes,
                  max(step_pitch, length * row_bytes), length * row_bytes, names)
