@@ -284,9 +284,7 @@ def copy_rows(value: Tensor, selection: slice | Tensor) -> Tensor:
 def stacked_rows(values: Sequence[Tensor], selection: slice | Tensor) -> Tensor:
     """The selected rows of several whole steps' values of one shape, side by side in a tensor
     of their own, ``[len(values), rows, ...]``: one copy for all where the rows are a slice."""
-    if isinstance(selection, slice):
-        return torch.stack([value[selection] for value in values])
-    return torch.stack([value.index_select(0, selection) for value in values])
+    return torch.stack([value[selection] for value in values])
 
 
 def add_chunk(chunks: list[Chunk], chunk: Chunk) -> None:
