@@ -19,8 +19,9 @@ decoding:
   vLLM's graph): one layer's ``hook_resid_post`` declared for capture and steering, or every
   layer's for capture; *idle* is that engine's ``vllm.LLM.generate`` with no vlens request (the
   traced copies still run), *cache* ``run_with_cache`` (the cache on the CPU, and on a GPU also
-  with ``device="cuda"``: kept where it was captured), *steer* ``generate`` with a different
-  vector per prompt (``Steer`` values).
+  with ``device="cuda"``: kept where it was captured, on one rank), *generate* vlens's
+  ``generate`` asking for nothing (the cost of vlens's call path alone), *steer* ``generate``
+  with a different vector per prompt (``Steer`` values).
 - ``hf``: HuggingFace transformers with forward hooks, prefill only (batches of ``hf_batch``):
   no hook, one layer's residual cloned, every layer's.
 
@@ -415,15 +416,19 @@ def worker_graph(preset: dict[str, Any], path: Path, timer: Timer, every_layer: 
                                     max_new_tokens=max_new, device=device)
         return int(c.lengths.sum()) - n_prompt + len(prompts) if max_new else n_prompt
 
+    def generated(max_new: int, **asked: Any) -> int:
+        out = model.generate(prompts, max_new_tokens=max_new, do_sample=False, stop_at_eos=False,
+                             return_type="tokens", **asked)
+        return sum(len(o) for o in out) - n_prompt
+
     def steered(max_new: int) -> int:
         per_prompt = [[Steer(one, add=vector)] for vector in vectors]  # one vector per request
-        out = model.generate(prompts, max_new_tokens=max_new, do_sample=False, stop_at_eos=False,
-                             prompt_steering=per_prompt, return_type="tokens")
-        return sum(len(o) for o in out) - n_prompt
+        return generated(max_new, prompt_steering=per_prompt)
 
     few = prompts[:8]
     model.run_with_cache(few, names_filter=[one], return_type=None, max_new_tokens=2)
-    on_gpu = torch.cuda.is_available()
+    # device="cuda" is refused under tensor parallelism (the rows come through another process)
+    on_gpu = torch.cuda.is_available() and preset["engine"].get("tensor_parallel_size", 1) == 1
     names = every if every_layer else [one]
     kind = "graph_all" if every_layer else "graph_1"
     for rep in range(timer.reps):
@@ -436,6 +441,7 @@ def worker_graph(preset: dict[str, Any], path: Path, timer: Timer, every_layer: 
             timer.measure(f"{kind}_cache_gpu", "generate", lambda: cache(names, new, "cuda"), rep=rep)
         timer.measure(f"{kind}_cache", "generate", lambda: cache(names, new), rep=rep)
         if not every_layer:
+            timer.measure("graph_1_generate", "generate", lambda: generated(new), rep=rep)
             timer.measure("graph_1_steer", "generate", lambda: steered(new), rep=rep)
 
 
@@ -612,6 +618,7 @@ LABELS = {
     "graph_1_idle": "vlens compiled engine (one layer declared), no vlens request",
     "graph_1_cache": "vlens compiled: run_with_cache, one layer's resid_post (cache on the CPU)",
     "graph_1_cache_gpu": "vlens compiled: run_with_cache, one layer's resid_post, device='cuda'",
+    "graph_1_generate": "vlens compiled: generate, nothing asked (vlens's call alone)",
     "graph_1_steer": "vlens compiled: generate, a steering vector per request at one layer",
     "graph_all_idle": "vlens compiled engine (every layer declared), no vlens request",
     "graph_all_cache": "vlens compiled: run_with_cache, every layer's resid_post (on the CPU)",

@@ -47,6 +47,7 @@ class Planner:
         self.registry = registry
         self.config = config
         self.compiled = compiled
+        self._widths: dict[str, int] = {}  # see width: asked once per steer, for every prompt
         #: each explicitly computable layer's stage names (scores, pattern, result)
         self.explicit: dict[ExplicitAttention, dict[AttentionStage, str]] = {}
         for name, spec in specs.items():
@@ -164,9 +165,11 @@ class Planner:
 
     def width(self, name: str) -> int:
         """The number of elements of one position's value of ``name``."""
-        spec = self.specs[name]
-        assert isinstance(spec, HookSpec)
-        return math.prod(per_position_shape(spec, self.config))
+        if name not in self._widths:
+            spec = self.specs[name]
+            assert isinstance(spec, HookSpec)
+            self._widths[name] = math.prod(per_position_shape(spec, self.config))
+        return self._widths[name]
 
     def _resolved_steer(self, steer: Steer) -> Steer:
         if not isinstance(steer, Steer):

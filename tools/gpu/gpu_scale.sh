@@ -26,11 +26,15 @@ bench() {  # tools/gpu/bench.sh without setting up again
     | tee "$OUT/$1/bench.log" | grep -E "^\[bench\]|^\||Error|error" || true
 }
 case "${1:-}" in
-  tp)
-    tests tp "${TEST_TIMEOUT:-200}" -k "compiled_two_ranks and (qwen3_moe or llama)" \
-      "$root/tests/test_tensor_parallel.py"
-    bench bench-tp --tensor-parallel-size 2 \
-      --skip eager,hf,transformer_lens --reps 2 --timeouts compiled=150,graph_1=200,graph_all=200
+  tp|tp-tests|tp-bench)  # tp-tests and tp-bench: each half alone, to fit two device calls
+    if [[ $1 != tp-bench ]]; then
+      tests tp "${TEST_TIMEOUT:-200}" -k "${TEST_K:-compiled_two_ranks and (qwen3_moe or llama)}" \
+        "$root/tests/test_tensor_parallel.py"
+    fi
+    if [[ $1 != tp-tests ]]; then
+      bench bench-tp --tensor-parallel-size 2 \
+        --skip eager,hf,transformer_lens --reps 2 --timeouts compiled=150,graph_1=200,graph_all=200
+    fi
     ;;
   one)  # the tests on GPU 1 during the benchmark where there is one, else after it
     gpus=$(nvidia-smi -L | wc -l)
@@ -43,5 +47,5 @@ case "${1:-}" in
       --reps 2 --timeouts compiled=150,graph_1=200,graph_all=250
     if ((gpus > 1)); then wait; else graph_tests; fi
     ;;
-  *) echo "usage: gpu_scale.sh tp|one"; exit 2 ;;
+  *) echo "usage: gpu_scale.sh tp|tp-tests|tp-bench|one"; exit 2 ;;
 esac

@@ -89,6 +89,9 @@ class SteeringBuffers:
     #: table (reset before a step that needs other terms)
     placed: tuple[np.ndarray, np.ndarray, Terms] | None = None
     dirty: Tensor | None = None  # the same rows on the device
+    #: the step (:attr:`StepRows.key`) and the call's revision the rows were placed for:
+    #: a step of both again needs nothing, where no steer of the name picks positions
+    placed_for: tuple | None = None
 
     @classmethod
     def allocate(
@@ -114,7 +117,7 @@ class SteeringBuffers:
             self.add.index_fill_(0, self.dirty, 0.0)
             self.gain.index_fill_(0, self.dirty, 1.0)
             self.ablate.index_fill_(0, self.dirty, 0.0)
-        self.dirty = self.placed = None
+        self.dirty = self.placed = self.placed_for = None
 
     def set_rows(self, rows: Tensor, terms: Terms, sources: Tensor) -> None:
         """Row ``rows[i]`` gets the terms of table entry ``sources[i]``."""
@@ -134,6 +137,10 @@ class CallState:
     #: name -> every steer's (add, gain, ablate) terms; ``stacked``: the same on the device
     tables: dict[str, list[Terms]] = field(default_factory=lambda: defaultdict(list))
     stacked: dict[str, Terms] = field(default_factory=dict)
+    #: names some steer changes at chosen positions only (its rows move with the positions)
+    positional: set[str] = field(default_factory=set)
+    #: every name some request keeps
+    kept_names: frozenset[str] = frozenset()
     kept: StepStore = field(default_factory=StepStore)
     #: the call's kept rows written into the host's cache as steps end (:mod:`host_stream`),
     #: where the call gave each request its :class:`Slot`; else they wait in :attr:`kept`
@@ -182,6 +189,8 @@ class GraphSites:
         for site, at_site in by_site.items():
             install_site(model, site, self._traced_hook(tuple(at_site)))
         self.call = CallState()
+        #: counts the changes of what the requests being served asked (prepare, finish)
+        self.revision = 0
 
     # ---- inside the graph --------------------------------------------------------------------
 
@@ -216,7 +225,9 @@ class GraphSites:
         """Follow request ``tag``: the names it keeps and its steering terms; with a ``slot``
         (its place in its call, which keeps its cache on the host), its kept rows go to the host
         as steps end."""
+        self.revision += 1
         self.call.keep[tag] = keep
+        self.call.kept_names |= keep
         if slot is not None and self.parallel is None and HostStream.available(self.device):
             if self.call.stream is None:
                 if self.call.kept.entries or len(self.call.keep) > 1:
@@ -232,19 +243,27 @@ class GraphSites:
             own[steer.name] = (len(entries), steer)
             entries.append(steer.terms(width))
             self.call.stacked.pop(steer.name, None)
+            if steer.positions is not None:
+                self.call.positional.add(steer.name)
         self.call.steering[tag] = own
 
     def before_step(self, layout: list[RequestRows] | None) -> None:
-        """Put the steered requests' terms on their rows of this step; every other row neutral."""
+        """Put the steered requests' terms on their rows of this step; every other row neutral.
+        A step with the last one's rows (:class:`StepRows`' key) and requests needs nothing."""
+        key = getattr(layout, "key", None)
+        step = None if key is None else (key, self.revision)
         for name, buffers in self.steering.items():
+            if step is not None and buffers.placed_for == step:
+                continue
             rows, sources = self._steered_rows(name, layout or ())
             terms = self._stacked(name) if len(rows) else None
-            if buffers.holds(rows, sources, terms):
-                continue
-            buffers.reset()
-            if terms is not None:
-                buffers.set_rows(self._index(rows), terms, self._index(sources))
-                buffers.placed = (rows, sources, terms)
+            if not buffers.holds(rows, sources, terms):
+                buffers.reset()
+                if terms is not None:
+                    buffers.set_rows(self._index(rows), terms, self._index(sources))
+                    buffers.placed = (rows, sources, terms)
+            if name not in self.call.positional:
+                buffers.placed_for = step
 
     def _steered_rows(
         self, name: str, layout: Sequence[RequestRows]
@@ -276,10 +295,12 @@ class GraphSites:
     def after_step(self, layout: list[RequestRows] | None) -> None:
         """Copy out the rows of the requests that keep something from this step: each name's
         own, and names of one shape side by side (``[names, rows, ...]``, one copy for all)."""
+        names = self.call.kept_names
+        if not names:
+            return
         keep = self.call.keep
-        names = {name for tag_names in keep.values() for name in tag_names}
         keepers = [request for request in layout or () if keep.get(request.tag)]
-        if not names or not keepers:
+        if not keepers:
             return
         selection, segments = kept_rows(keepers, self.device)
         stream = self.call.stream
@@ -315,6 +336,7 @@ class GraphSites:
     def finish(self, tags: Sequence[str], device: str = "cpu") -> dict[str, PaddedRows]:
         """The finished requests' kept rows, on ``device`` (see :class:`StepStore`). Forgets
         the call once no request is left, even when handing back fails."""
+        self.revision += 1
         try:
             if self.call.stream is not None:
                 if device != "cpu":
@@ -331,6 +353,7 @@ class GraphSites:
                     buffers.reset()
             else:  # requests overlap (a server): forget only what the finished ones held
                 self.call.kept.keep_only(set(self.call.keep))
+                self.call.kept_names = frozenset().union(*self.call.keep.values())
                 self._compact_tables()
 
     # ---- helpers -----------------------------------------------------------------------------
@@ -338,10 +361,13 @@ class GraphSites:
     def _compact_tables(self) -> None:
         """Keep only the steering terms of requests still followed, renumbered."""
         tables: dict[str, list[Terms]] = defaultdict(list)
+        self.call.positional.clear()
         for own in self.call.steering.values():
             for name, (index, steer) in own.items():
                 own[name] = (len(tables[name]), steer)
                 tables[name].append(self.call.tables[name][index])
+                if steer.positions is not None:
+                    self.call.positional.add(name)
         self.call.tables = tables
         self.call.stacked.clear()
 

@@ -111,23 +111,38 @@ def identify(runner: Any, req_id: str) -> Followed:
     return None if tag is None else (tag, len(state.prompt_token_ids or ()))
 
 
+class StepRows(list[RequestRows]):
+    """A step's rows of every followed request, in the runner's order, and the step's ``key``:
+    its request ids in order and their row boundaries. Two steps of one key give every request
+    the same rows (positions aside): a decode step of an unchanged batch has the last one's."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, rows: list[RequestRows], key: tuple[tuple[str, ...], bytes]) -> None:
+        super().__init__(rows)
+        self.key = key
+
+
 def rows_of(
     req_ids: Sequence[str],
     starts: Sequence[int],
     computed: Sequence[int],
     followed: Callable[[str], Followed],
-) -> list[RequestRows]:
+) -> StepRows:
     """Request ``j`` of the step (``req_ids[j]``) runs rows ``starts[j]:starts[j+1]`` from
     position ``computed[j]``; the rows of every followed request."""
-    starts, computed = np.asarray(starts).tolist(), np.asarray(computed).tolist()
-    return [
+    boundaries = np.asarray(starts, dtype=np.int64)
+    key = (tuple(req_ids), boundaries.tobytes())
+    starts, computed = boundaries.tolist(), np.asarray(computed).tolist()
+    rows = [
         RequestRows(known[0], starts[index], starts[index + 1], computed[index], known[1], index)
         for index, req_id in enumerate(req_ids)
         if (known := followed(req_id)) is not None
     ]
+    return StepRows(rows, key)
 
 
-def read_step_layout(runner: Any, followed: dict[str, Followed]) -> list[RequestRows]:
+def read_step_layout(runner: Any, followed: dict[str, Followed]) -> StepRows:
     """The rows of every followed request in the step a V1 runner is about to execute.
 
     ``followed`` memoises request id → (tag, prompt length) across steps.
@@ -146,7 +161,7 @@ def read_step_layout(runner: Any, followed: dict[str, Followed]) -> list[Request
     return rows_of(batch.req_ids[:n], starts, batch.num_computed_tokens_cpu[:n], known)
 
 
-def read_batch_layout(input_batch: Any, followed: dict[str, Followed]) -> list[RequestRows]:
+def read_batch_layout(input_batch: Any, followed: dict[str, Followed]) -> StepRows:
     """The rows of every followed request in a V2 runner's ``InputBatch`` (built per step, in
     the runner's sorted order). ``num_computed_tokens_np`` is the runner's CPU mirror of the
     computed-token count: exact without speculative decoding, which vlens does not run."""

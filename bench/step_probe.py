@@ -1,0 +1,133 @@
+"""Where a compiled engine's steps spend their time, per rank: plain generation against vlens's
+steering and one layer's capture, on one engine (the graph tier, ``bench/run.py``'s workload).
+
+    python bench/step_probe.py --preset gpu --tensor-parallel-size 2 --out OUT_DIR
+
+Each worker's model runner is wrapped (through ``collective_rpc``) to time, per step, the wall
+time of ``execute_model`` and of vlens's work around the forward (``before_step``: steering
+terms, ``after_step``: kept rows). Written to ``OUT_DIR/step_probe.json`` and printed: for each
+workload and rank, the steps, their mean wall time, and vlens's share; with the call's total.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))
+from run import PRESETS, model_folder, prompts_for  # noqa: E402
+
+
+def install_timers(worker: Any) -> int:
+    """In a worker: time ``execute_model`` and the graph tier's step work into lists."""
+    from vlens.runtime.worker import runtime_of
+
+    runtime = runtime_of(worker)
+    graph, runner = runtime.graph, worker.model_runner
+    times: dict[str, list[float]] = {"execute": [], "before": [], "after": []}
+    worker._vlens_step_times = times
+
+    def timed(key: str, function: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                times[key].append(time.perf_counter() - start)
+
+        return call
+
+    runner.execute_model = timed("execute", runner.execute_model)
+    graph.before_step = timed("before", graph.before_step)
+    graph.after_step = timed("after", graph.after_step)
+    return runtime.parallel.rank if runtime.parallel else 0
+
+
+def read_timers(worker: Any) -> dict[str, Any]:
+    """In a worker: the step times since the last read (then cleared)."""
+    times = worker._vlens_step_times
+    summary = {
+        key: {"count": len(values), "total_s": sum(values)} for key, values in times.items()
+    }
+    for values in times.values():
+        values.clear()
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--preset", default="gpu", choices=sorted(PRESETS))
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--work", type=Path, default=Path("/tmp/vlens-bench"))
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--reps", type=int, default=2)
+    args = parser.parse_args(argv)
+
+    import torch
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from vlens import HookedVLLM, Steer
+
+    preset = PRESETS[args.preset]
+    engine = {**preset["engine"]}
+    if args.tensor_parallel_size > 1:
+        engine["tensor_parallel_size"] = args.tensor_parallel_size
+    path = model_folder(preset, args.work)
+    one = f"blocks.{preset['layer']}.hook_resid_post"
+    model = HookedVLLM.from_pretrained(path, dtype=preset["dtype"], compiled_capture=[one],
+                                       compiled_steering=[one], **engine)
+    llm = model.engine.llm
+    prompts = prompts_for(preset, model.cfg.d_vocab)
+    new = preset["new_tokens"]
+    generator = torch.Generator().manual_seed(1)
+    vectors = [torch.randn(model.cfg.d_model, generator=generator) for _ in prompts]
+
+    def plain() -> None:
+        params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+        llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+
+    def generated(**asked: Any) -> None:
+        model.generate(prompts, max_new_tokens=new, do_sample=False, stop_at_eos=False,
+                       return_type="tokens", **asked)
+
+    workloads = {
+        "plain": plain,
+        "generate": generated,
+        "steer": lambda: generated(prompt_steering=[[Steer(one, add=v)] for v in vectors]),
+        "steer_shared": lambda: generated(steering=[Steer(one, add=vectors[0])]),
+        "cache": lambda: model.run_with_cache(prompts, names_filter=[one], return_type=None,
+                                              max_new_tokens=new),
+    }
+    for run in workloads.values():  # warm: first calls pin memory, stack tables
+        run()
+    ranks = llm.collective_rpc(install_timers)
+    results: list[dict[str, Any]] = []
+    for rep in range(args.reps):
+        for name, run in workloads.items():
+            llm.collective_rpc(read_timers)
+            start = time.perf_counter()
+            run()
+            seconds = time.perf_counter() - start
+            per_rank = llm.collective_rpc(read_timers)
+            results.append({"workload": name, "rep": rep, "seconds": seconds,
+                            "ranks": dict(zip(ranks, per_rank))})
+            line = f"{name:13s} rep {rep}: {seconds:6.3f} s"
+            for rank, times in zip(ranks, per_rank):
+                steps = times["execute"]["count"]
+                line += (f" | rank {rank}: {steps} steps, execute "
+                         f"{1e3 * times['execute']['total_s'] / max(steps, 1):.2f} ms/step, "
+                         f"vlens before {1e3 * times['before']['total_s'] / max(steps, 1):.3f} "
+                         f"after {1e3 * times['after']['total_s'] / max(steps, 1):.3f} ms/step")
+            print(line, flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "step_probe.json").write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
