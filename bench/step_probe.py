@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from run import PRESETS, model_folder, prompts_for  # noqa: E402
+from run import PRESETS, model_folder, prompts_for
 
 
 def install_timers(worker: Any) -> int:

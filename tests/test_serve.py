@@ -133,8 +133,12 @@ def test_captured_activations_equal_run_with_cache_and_huggingface(client, serve
     assert cache.tokens[0].tolist() == prompt + sampled[:-1]
     _, reference = bridge("llama").run_with_cache(cache.tokens)
     for name in CAPTURED:
-        # the same engine and numerics as run_with_cache: equal to float noise
-        torch.testing.assert_close(values[name], cache[name][0], rtol=0, atol=1e-6, msg=name)
+        # the same model and kernels as run_with_cache, in another process: equal to float
+        # noise. 1e-5, not 1e-6: the server's CPU kernels may split their sums over other
+        # threads than this process's (2.6e-6 seen here once test_compiled's engines had run
+        # in this process first; 0 when they had not), which a misplaced row would exceed
+        # by orders of magnitude
+        torch.testing.assert_close(values[name], cache[name][0], rtol=0, atol=1e-5, msg=name)
         # HuggingFace through TransformerLens's bridge: the parity suite's limit
         torch.testing.assert_close(values[name], reference[name][0].float(), rtol=1e-4,
                                    atol=1e-4, msg=name)

@@ -44,8 +44,8 @@ from vlens.runtime.step_store import (
     Segment,
     StepStore,
     copy_rows,
-    kept_rows,
     row_index,
+    row_selection,
     stacked_rows,
 )
 from vlens.runtime.tensor_parallel import TensorParallel
@@ -191,6 +191,8 @@ class GraphSites:
         self.call = CallState()
         #: counts the changes of what the requests being served asked (prepare, finish)
         self.revision = 0
+        self._kept_for: tuple[int, tuple[list[str], list[list[str]]]] = (-1, ([], []))
+        self._selection: tuple[tuple, slice | Tensor] = ((None, -1), slice(0))
 
     # ---- inside the graph --------------------------------------------------------------------
 
@@ -295,27 +297,28 @@ class GraphSites:
     def after_step(self, layout: list[RequestRows] | None) -> None:
         """Copy out the rows of the requests that keep something from this step: each name's
         own, and names of one shape side by side (``[names, rows, ...]``, one copy for all)."""
-        names = self.call.kept_names
-        if not names:
+        if not self.call.kept_names:
             return
         keep = self.call.keep
         keepers = [request for request in layout or () if keep.get(request.tag)]
         if not keepers:
             return
-        selection, segments = kept_rows(keepers, self.device)
+        step = (getattr(layout, "key", None), self.revision)
+        if step[0] is None or self._selection[0] != step:  # else the last step's rows again
+            self._selection = (step, row_selection([(r.start, r.stop) for r in keepers], self.device))
+        selection = self._selection[1]
+        segments = [Segment(r.tag, r.stop - r.start, r.first_position) for r in keepers]
         stream = self.call.stream
         if stream is not None:
             stream.begin_step(keepers)
-        by_shape: dict[tuple[int, ...], list[str]] = defaultdict(list)
-        for name in sorted(names & self.captured.keys()):
+        logits, by_shape = self._kept_by_kind()
+        for name in logits:
             read = self.names[name].read
-            if isinstance(read, LogitsOf):
-                rows = read.logits(self.model, copy_rows(self.captured[name], selection))
-                if name in self.kept_here:
-                    self._keep([name], rows[None], segments)
-            elif name in self.kept_here:
-                by_shape[self.names[name].trailing].append(name)
-        for shape_names in by_shape.values():
+            assert isinstance(read, LogitsOf)
+            rows = read.logits(self.model, copy_rows(self.captured[name], selection))
+            if name in self.kept_here:
+                self._keep([name], rows[None], segments)
+        for shape_names in by_shape:
             buffers = [self.captured[name] for name in shape_names]
             if stream is not None and self.device.type == "cpu":
                 # scattered before the next step: views (or gathers) of the buffers do
@@ -324,6 +327,20 @@ class GraphSites:
                 self._keep(shape_names, stacked_rows(buffers, selection), segments)
         if stream is not None:
             stream.end_step()
+
+    def _kept_by_kind(self) -> tuple[list[str], list[list[str]]]:
+        """The logits names the call keeps (every rank computes them: a collective), and the
+        other names it keeps here by shape: worked out once per change of its requests."""
+        if self._kept_for[0] != self.revision:
+            logits: list[str] = []
+            by_shape: dict[tuple[int, ...], list[str]] = defaultdict(list)
+            for name in sorted(self.call.kept_names & self.captured.keys()):
+                if isinstance(self.names[name].read, LogitsOf):
+                    logits.append(name)
+                elif name in self.kept_here:
+                    by_shape[self.names[name].trailing].append(name)
+            self._kept_for = (self.revision, (logits, list(by_shape.values())))
+        return self._kept_for[1]
 
     def _keep(self, names: list[str], rows: Sequence[Tensor], segments: list[Segment]) -> None:
         """One step's ``rows[i]`` of ``names[i]``, to the host or into the call's store."""
