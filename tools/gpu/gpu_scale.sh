@@ -1,8 +1,10 @@
 #!/bin/bash
 # Issue 21 on two GPUs (kind nvidia-h200-x2; `one` also runs on one), in ONE device call after
 # the carry calls of tools/gpu/gpu.sh's header; writes logs and benchmark results under $OUT.
-#   tp:  compiled TP=2 Qwen3-MoE and Llama against one eager rank (tests/test_tensor_parallel.py),
-#        then the TP=2 benchmark of the graph tier (Qwen3-8B shape)         (about 7 minutes)
+#   tp:  compiled TP=2 Qwen3-MoE and Llama against one eager rank (tests/test_tensor_parallel.py;
+#        TEST_K selects), then the TP=2 benchmark of the graph tier (Qwen3-8B shape): about 10
+#        minutes on a fresh machine, more than one call may run, so tp-tests and tp-bench run
+#        each half alone (the tests ~4-5 minutes with Triton's cache empty, the benchmark ~5.5)
 #   one: the one-GPU benchmark of the graph tier on GPU 0 (every layer's capture streamed to the
 #        host), and on GPU 1 at the same time (or after it, on a one-GPU machine) the graph
 #        tier's tests (tests/test_host_stream.py, tests/test_compiled.py; TEST_K selects);
