@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from vlens.locations import Site
 from vlens.readers import LogitsOf, Reader
 from vlens.runtime.host_stream import HostStream, Slot
-from vlens.runtime.layout import RequestRows
+from vlens.runtime.layout import RequestRows, StepRows
 from vlens.runtime.messages import PaddedRows
 from vlens.runtime.patches import apply_cpu_patches
 from vlens.runtime.sites import NarrowedCall, install_site
@@ -44,8 +44,9 @@ from vlens.runtime.step_store import (
     Segment,
     StepStore,
     copy_rows,
+    kept_rows,
     row_index,
-    row_selection,
+    segments_of,
     stacked_rows,
 )
 from vlens.runtime.tensor_parallel import TensorParallel
@@ -137,14 +138,25 @@ class CallState:
     #: name -> every steer's (add, gain, ablate) terms; ``stacked``: the same on the device
     tables: dict[str, list[Terms]] = field(default_factory=lambda: defaultdict(list))
     stacked: dict[str, Terms] = field(default_factory=dict)
-    #: names some steer changes at chosen positions only (its rows move with the positions)
-    positional: set[str] = field(default_factory=set)
-    #: every name some request keeps
-    kept_names: frozenset[str] = frozenset()
     kept: StepStore = field(default_factory=StepStore)
     #: the call's kept rows written into the host's cache as steps end (:mod:`host_stream`),
     #: where the call gave each request its :class:`Slot`; else they wait in :attr:`kept`
     stream: HostStream | None = None
+
+
+@dataclass(frozen=True)
+class Asked:
+    """What the requests being served ask, derived from their :class:`CallState` once per
+    change of them (:attr:`GraphSites.revision`) rather than every step."""
+
+    #: every name some request keeps
+    kept: frozenset[str]
+    #: names some steer changes at chosen positions only (its rows move with the positions)
+    positional: frozenset[str]
+    #: the kept logits names (every rank computes them: a collective)
+    logits: tuple[str, ...]
+    #: the other names kept on this rank, by shape
+    by_shape: tuple[tuple[str, ...], ...]
 
 
 class GraphSites:
@@ -191,8 +203,9 @@ class GraphSites:
         self.call = CallState()
         #: counts the changes of what the requests being served asked (prepare, finish)
         self.revision = 0
-        self._kept_for: tuple[int, tuple[list[str], list[list[str]]]] = (-1, ([], []))
-        self._selection: tuple[tuple, slice | Tensor] = ((None, -1), slice(0))
+        self._asked_for: tuple[int, Asked] | None = None  # (revision, what was asked then)
+        #: the last step's (key, revision) and its kept rows' selection
+        self._selection: tuple[tuple | None, slice | Tensor] = (None, slice(0))
 
     # ---- inside the graph --------------------------------------------------------------------
 
@@ -229,7 +242,6 @@ class GraphSites:
         as steps end."""
         self.revision += 1
         self.call.keep[tag] = keep
-        self.call.kept_names |= keep
         if slot is not None and self.parallel is None and HostStream.available(self.device):
             if self.call.stream is None:
                 if self.call.kept.entries or len(self.call.keep) > 1:
@@ -245,15 +257,13 @@ class GraphSites:
             own[steer.name] = (len(entries), steer)
             entries.append(steer.terms(width))
             self.call.stacked.pop(steer.name, None)
-            if steer.positions is not None:
-                self.call.positional.add(steer.name)
         self.call.steering[tag] = own
 
-    def before_step(self, layout: list[RequestRows] | None) -> None:
+    def before_step(self, layout: StepRows | None) -> None:
         """Put the steered requests' terms on their rows of this step; every other row neutral.
         A step with the last one's rows (:class:`StepRows`' key) and requests needs nothing."""
-        key = getattr(layout, "key", None)
-        step = None if key is None else (key, self.revision)
+        step = None if layout is None else (layout.key, self.revision)
+        positional = self.asked().positional
         for name, buffers in self.steering.items():
             if step is not None and buffers.placed_for == step:
                 continue
@@ -264,7 +274,7 @@ class GraphSites:
                 if terms is not None:
                     buffers.set_rows(self._index(rows), terms, self._index(sources))
                     buffers.placed = (rows, sources, terms)
-            if name not in self.call.positional:
+            if name not in positional:
                 buffers.placed_for = step
 
     def _steered_rows(
@@ -294,31 +304,32 @@ class GraphSites:
         rows = row_index(np.array(starts, dtype=np.int64), length).numpy()
         return rows, np.repeat(np.array(entries, dtype=np.int64), length)
 
-    def after_step(self, layout: list[RequestRows] | None) -> None:
+    def after_step(self, layout: StepRows | None) -> None:
         """Copy out the rows of the requests that keep something from this step: each name's
         own, and names of one shape side by side (``[names, rows, ...]``, one copy for all)."""
-        if not self.call.kept_names:
+        asked = self.asked()
+        if not asked.kept or layout is None:
             return
         keep = self.call.keep
-        keepers = [request for request in layout or () if keep.get(request.tag)]
+        keepers = [request for request in layout if keep.get(request.tag)]
         if not keepers:
             return
-        step = (getattr(layout, "key", None), self.revision)
-        if step[0] is None or self._selection[0] != step:  # else the last step's rows again
-            self._selection = (step, row_selection([(r.start, r.stop) for r in keepers], self.device))
-        selection = self._selection[1]
-        segments = [Segment(r.tag, r.stop - r.start, r.first_position) for r in keepers]
+        step = (layout.key, self.revision)
+        if self._selection[0] == step:  # the last step's rows again
+            selection, segments = self._selection[1], segments_of(keepers)
+        else:
+            selection, segments = kept_rows(keepers, self.device)
+            self._selection = (step, selection)
         stream = self.call.stream
         if stream is not None:
             stream.begin_step(keepers)
-        logits, by_shape = self._kept_by_kind()
-        for name in logits:
+        for name in asked.logits:
             read = self.names[name].read
             assert isinstance(read, LogitsOf)
             rows = read.logits(self.model, copy_rows(self.captured[name], selection))
             if name in self.kept_here:
                 self._keep([name], rows[None], segments)
-        for shape_names in by_shape:
+        for shape_names in asked.by_shape:
             buffers = [self.captured[name] for name in shape_names]
             if stream is not None and self.device.type == "cpu":
                 # scattered before the next step: views (or gathers) of the buffers do
@@ -328,21 +339,28 @@ class GraphSites:
         if stream is not None:
             stream.end_step()
 
-    def _kept_by_kind(self) -> tuple[list[str], list[list[str]]]:
-        """The logits names the call keeps (every rank computes them: a collective), and the
-        other names it keeps here by shape: worked out once per change of its requests."""
-        if self._kept_for[0] != self.revision:
+    def asked(self) -> Asked:
+        """What the requests being served ask (see :class:`Asked`)."""
+        if self._asked_for is None or self._asked_for[0] != self.revision:
+            kept = frozenset().union(*self.call.keep.values())
+            positional = frozenset(
+                name
+                for own in self.call.steering.values()
+                for name, (_, steer) in own.items()
+                if steer.positions is not None
+            )
             logits: list[str] = []
             by_shape: dict[tuple[int, ...], list[str]] = defaultdict(list)
-            for name in sorted(self.call.kept_names & self.captured.keys()):
+            for name in sorted(kept & self.captured.keys()):
                 if isinstance(self.names[name].read, LogitsOf):
                     logits.append(name)
                 elif name in self.kept_here:
                     by_shape[self.names[name].trailing].append(name)
-            self._kept_for = (self.revision, (logits, list(by_shape.values())))
-        return self._kept_for[1]
+            shapes = tuple(tuple(names) for names in by_shape.values())
+            self._asked_for = (self.revision, Asked(kept, positional, tuple(logits), shapes))
+        return self._asked_for[1]
 
-    def _keep(self, names: list[str], rows: Sequence[Tensor], segments: list[Segment]) -> None:
+    def _keep(self, names: Sequence[str], rows: Sequence[Tensor], segments: list[Segment]) -> None:
         """One step's ``rows[i]`` of ``names[i]``, to the host or into the call's store."""
         if self.call.stream is not None:
             self.call.stream.write(names, rows)
@@ -353,7 +371,6 @@ class GraphSites:
     def finish(self, tags: Sequence[str], device: str = "cpu") -> dict[str, PaddedRows]:
         """The finished requests' kept rows, on ``device`` (see :class:`StepStore`). Forgets
         the call once no request is left, even when handing back fails."""
-        self.revision += 1
         try:
             if self.call.stream is not None:
                 if device != "cpu":
@@ -361,6 +378,7 @@ class GraphSites:
                 return self.call.stream.take(tags, self.call.keep)
             return self.call.kept.take(tags, self.call.keep, device)
         finally:
+            self.revision += 1
             for tag in tags:
                 self.call.keep.pop(tag, None)
                 self.call.steering.pop(tag, None)
@@ -370,7 +388,6 @@ class GraphSites:
                     buffers.reset()
             else:  # requests overlap (a server): forget only what the finished ones held
                 self.call.kept.keep_only(set(self.call.keep))
-                self.call.kept_names = frozenset().union(*self.call.keep.values())
                 self._compact_tables()
 
     # ---- helpers -----------------------------------------------------------------------------
@@ -378,13 +395,10 @@ class GraphSites:
     def _compact_tables(self) -> None:
         """Keep only the steering terms of requests still followed, renumbered."""
         tables: dict[str, list[Terms]] = defaultdict(list)
-        self.call.positional.clear()
         for own in self.call.steering.values():
             for name, (index, steer) in own.items():
                 own[name] = (len(tables[name]), steer)
                 tables[name].append(self.call.tables[name][index])
-                if steer.positions is not None:
-                    self.call.positional.add(name)
         self.call.tables = tables
         self.call.stacked.clear()
 

@@ -90,7 +90,7 @@ class StepState(Protocol):
 
     wanted: Any  # truthy while some request is followed
     followed: dict[str, Followed]  # request id -> (tag, prompt length), memoised across steps
-    layout: list[RequestRows] | None  # this step's rows while the model runs, else None
+    layout: StepRows | None  # this step's rows while the model runs, else None
     last_step: list[RequestRows]  # the latest step's rows, kept until the next step starts
 
     def step_started(self) -> None: ...  # layout set, the model not yet called
@@ -195,7 +195,7 @@ def follow_steps(runner: Any, state: StepState) -> None:
         _follow_v2(runner, state)
 
 
-def _start_step(state: StepState, layout: list[RequestRows] | None) -> None:
+def _start_step(state: StepState, layout: StepRows | None) -> None:
     """The step's rows are known and the model is about to run."""
     state.layout = layout
     state.last_step = layout or []

@@ -261,7 +261,12 @@ def kept_rows(
     """Where these requests' rows lie in a step (:func:`row_selection`) and whose they are: worked
     out once per step and shared by every name read in it."""
     selection = row_selection([(r.start, r.stop) for r in requests], device)
-    return selection, [Segment(r.tag, r.stop - r.start, r.first_position) for r in requests]
+    return selection, segments_of(requests)
+
+
+def segments_of(requests: Sequence[RequestRows]) -> list[Segment]:
+    """Whose a step's kept rows are, request after request (see :func:`kept_rows`)."""
+    return [Segment(r.tag, r.stop - r.start, r.first_position) for r in requests]
 
 
 def row_selection(spans: Sequence[tuple[int, int]], device: torch.device) -> slice | Tensor:

@@ -28,7 +28,7 @@ from vlens.runtime.batches import batched_sites, call_of, in_batches, shape_key
 from vlens.runtime.graph import GraphSites
 from vlens.runtime.hooks import run_hooks
 from vlens.runtime.host_stream import Slot
-from vlens.runtime.layout import Followed, RequestRows, follow_steps, mark_sampling
+from vlens.runtime.layout import Followed, RequestRows, StepRows, follow_steps, mark_sampling
 from vlens.runtime.messages import (
     Chunk,
     Handback,
@@ -67,7 +67,7 @@ class WorkerRuntime:
         self.followed: dict[str, Followed] = {}
         #: tag -> the end of the request's furthest rows so far (:func:`mark_sampling`)
         self.furthest: dict[str, int] = {}
-        self.layout: list[RequestRows] | None = None
+        self.layout: StepRows | None = None
         self.last_step: list[RequestRows] = []
         self.probe: ModuleProbe | None = None
         # layers whose attention is computed here, for hooks on scores, patterns and results
