@@ -427,8 +427,9 @@ def worker_graph(preset: dict[str, Any], path: Path, timer: Timer, every_layer: 
 
     few = prompts[:8]
     model.run_with_cache(few, names_filter=[one], return_type=None, max_new_tokens=2)
-    # device="cuda" is refused under tensor parallelism (the rows come through another process)
-    on_gpu = torch.cuda.is_available() and preset["engine"].get("tensor_parallel_size", 1) == 1
+    # device="cuda" is refused under tensor parallelism (the rows come through another process),
+    # and measured only where the worker runs in this process
+    on_gpu = torch.cuda.is_available() and model.engine.in_process
     names = every if every_layer else [one]
     kind = "graph_all" if every_layer else "graph_1"
     for rep in range(timer.reps):
@@ -578,6 +579,8 @@ def run_worker(name: str, args: argparse.Namespace, path: Path) -> dict[str, Any
         command += ["--skip", args.skip]
     if args.tensor_parallel_size > 1:
         command += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
+    if args.executor:
+        command += ["--executor", args.executor]
     env = dict(os.environ)
     env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -684,12 +687,17 @@ def main(argv: list[str] | None = None) -> int:
                         + ", ".join(f"{k}={v}" for k, v in TIMEOUTS.items()) + ")")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="every vLLM engine (plain and vlens's) on this many GPUs")
+    parser.add_argument("--executor", choices=("uni", "mp"),
+                        help="vLLM's distributed_executor_backend for every engine (mp on one "
+                        "GPU: its worker in a process of its own, as under tensor parallelism)")
     parser.add_argument("--worker", choices=WORKERS, help=argparse.SUPPRESS)
     parser.add_argument("--model-path", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     preset = PRESETS[args.preset]
     if args.tensor_parallel_size > 1:
         preset["engine"] = {**preset["engine"], "tensor_parallel_size": args.tensor_parallel_size}
+    if args.executor:
+        preset["engine"] = {**preset["engine"], "distributed_executor_backend": args.executor}
     args.out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
     skip = {s for s in args.skip.split(",") if s}

@@ -1,12 +1,16 @@
 """Where a compiled engine's steps spend their time, per rank: plain generation against vlens's
-steering and one layer's capture, on one engine (the graph tier, ``bench/run.py``'s workload).
+steering and one layer's capture, on one engine (the graph tier, ``bench/run.py``'s workload);
+with ``--every-layer``, against every layer's capture instead.
 
     python bench/step_probe.py --preset gpu --tensor-parallel-size 2 --out OUT_DIR
+    python bench/step_probe.py --preset gpu --every-layer --executor mp --out OUT_DIR
 
 Each worker's model runner is wrapped (through ``collective_rpc``) to time, per step, the wall
 time of ``execute_model`` and of vlens's work around the forward (``before_step``: steering
-terms, ``after_step``: kept rows). Written to ``OUT_DIR/step_probe.json`` and printed: for each
-workload and rank, the steps, their mean wall time, and vlens's share; with the call's total.
+terms, ``after_step``: kept rows), and the hand-back (``finish``); in the user's process, vLLM's
+``generate`` and the hand-back as seen from there. Written to ``OUT_DIR/step_probe.json`` and
+printed: for each workload and rank, the steps, their mean wall time, and vlens's share; with
+the call's total.
 """
 
 from __future__ import annotations
@@ -32,19 +36,27 @@ def install_timers(worker: Any) -> int:
     worker._vlens_step_times = times
 
     def timed(key: str, function: Any) -> Any:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return function(*args, **kwargs)
-            finally:
-                times[key].append(time.perf_counter() - start)
-
-        return call
+        return timed_into(times[key], function)
 
     runner.execute_model = timed("execute", runner.execute_model)
     graph.before_step = timed("before", graph.before_step)
     graph.after_step = timed("after", graph.after_step)
+    times["finish"] = []
+    runtime.finish = timed("finish", runtime.finish)
     return runtime.parallel.rank if runtime.parallel else 0
+
+
+def timed_into(into: list[float], function: Any) -> Any:
+    """``function``, adding each call's seconds to ``into``."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            into.append(time.perf_counter() - start)
+
+    return call
 
 
 def read_timers(worker: Any) -> dict[str, Any]:
@@ -65,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, default=Path("/tmp/vlens-bench"))
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--every-layer", action="store_true",
+                        help="declare and capture every layer's resid_post (no steering)")
+    parser.add_argument("--executor", choices=("uni", "mp"),
+                        help="vLLM's distributed_executor_backend")
     args = parser.parse_args(argv)
 
     import torch
@@ -77,11 +93,20 @@ def main(argv: list[str] | None = None) -> int:
     engine = {**preset["engine"]}
     if args.tensor_parallel_size > 1:
         engine["tensor_parallel_size"] = args.tensor_parallel_size
+    if args.executor:
+        engine["distributed_executor_backend"] = args.executor
     path = model_folder(preset, args.work)
     one = f"blocks.{preset['layer']}.hook_resid_post"
-    model = HookedVLLM.from_pretrained(path, dtype=preset["dtype"], compiled_capture=[one],
-                                       compiled_steering=[one], **engine)
+    declared: dict[str, Any] = {"compiled_capture": [one], "compiled_steering": [one]}
+    if args.every_layer:
+        layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
+        declared = {"compiled_capture": [f"blocks.{layer}.hook_resid_post"
+                                         for layer in range(layers)]}
+    model = HookedVLLM.from_pretrained(path, dtype=preset["dtype"], **declared, **engine)
     llm = model.engine.llm
+    here: dict[str, list[float]] = {"generate": [], "finish": []}  # the user's process
+    model.engine.finish = timed_into(here["finish"], model.engine.finish)
+    llm.generate = timed_into(here["generate"], llm.generate)
     prompts = prompts_for(preset, model.cfg.d_vocab)
     new = preset["new_tokens"]
     generator = torch.Generator().manual_seed(1)
@@ -103,6 +128,12 @@ def main(argv: list[str] | None = None) -> int:
         "cache": lambda: model.run_with_cache(prompts, names_filter=[one], return_type=None,
                                               max_new_tokens=new),
     }
+    if args.every_layer:
+        for name in ("steer", "steer_shared", "cache"):
+            del workloads[name]
+        workloads["cache_all"] = lambda: model.run_with_cache(
+            prompts, names_filter=declared["compiled_capture"], return_type=None,
+            max_new_tokens=new)
     for run in workloads.values():  # warm: first calls pin memory, stack tables
         run()
     ranks = llm.collective_rpc(install_timers)
@@ -110,19 +141,24 @@ def main(argv: list[str] | None = None) -> int:
     for rep in range(args.reps):
         for name, run in workloads.items():
             llm.collective_rpc(read_timers)
+            for values in here.values():
+                values.clear()
             start = time.perf_counter()
             run()
             seconds = time.perf_counter() - start
             per_rank = llm.collective_rpc(read_timers)
+            mine = {key: sum(values) for key, values in here.items()}
             results.append({"workload": name, "rep": rep, "seconds": seconds,
-                            "ranks": dict(zip(ranks, per_rank))})
-            line = f"{name:13s} rep {rep}: {seconds:6.3f} s"
+                            "ranks": dict(zip(ranks, per_rank)), "user_process": mine})
+            line = (f"{name:13s} rep {rep}: {seconds:6.3f} s (generate {mine['generate']:.3f}, "
+                    f"hand-back {mine['finish']:.3f})")
             for rank, times in zip(ranks, per_rank):
                 steps = times["execute"]["count"]
                 line += (f" | rank {rank}: {steps} steps, execute "
                          f"{1e3 * times['execute']['total_s'] / max(steps, 1):.2f} ms/step, "
                          f"vlens before {1e3 * times['before']['total_s'] / max(steps, 1):.3f} "
-                         f"after {1e3 * times['after']['total_s'] / max(steps, 1):.3f} ms/step")
+                         f"after {1e3 * times['after']['total_s'] / max(steps, 1):.3f} ms/step, "
+                         f"finish {times['finish']['total_s']:.3f} s")
             print(line, flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "step_probe.json").write_text(json.dumps(results, indent=1))

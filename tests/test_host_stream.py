@@ -29,10 +29,16 @@ def rows(*values: float) -> torch.Tensor:
     return torch.tensor(values).reshape(-1, 1)
 
 
-def stream_of(positions: dict[str, int], device: torch.device) -> HostStream:
-    stream = HostStream(len(positions), device)
+@pytest.fixture(params=[False, True], ids=["own memory", "shared memory"])
+def shared(request) -> bool:
+    """Whether the host rows are memory a user's process would map (:mod:`host_blocks`)."""
+    return request.param
+
+
+def stream_of(positions: dict[str, int], device: torch.device, shared: bool) -> HostStream:
+    stream = HostStream(len(positions), device, shared)
     for index, (tag, count) in enumerate(positions.items()):
-        stream.follow(tag, Slot(index, len(positions), count))
+        stream.follow(tag, Slot(index, len(positions), count, shared))
     return stream
 
 
@@ -47,8 +53,8 @@ def step(stream: HostStream, requests: list[tuple[str, int, int]], values: torch
     stream.end_step()
 
 
-def test_rows_land_at_their_request_and_position_as_the_step_store_lays_them_out(device):
-    stream = stream_of({"a": 4, "b": 4}, device)
+def test_rows_land_at_their_request_and_position_as_the_step_store_lays_them_out(device, shared):
+    stream = stream_of({"a": 4, "b": 4}, device, shared)
     store = StepStore()
     steps = [
         ([("a", 3, 0), ("b", 2, 0)], rows(0, 1, 2, 3, 4)),
@@ -65,8 +71,8 @@ def test_rows_land_at_their_request_and_position_as_the_step_store_lays_them_out
     assert torch.equal(streamed.values, stored.values)
 
 
-def test_padding_and_names_a_request_does_not_keep_are_zero_whatever_memory_held(device):
-    stream = stream_of({"a": 3, "b": 3, "c": 3}, device)
+def test_padding_and_names_a_request_does_not_keep_are_zero_whatever_memory_held(device, shared):
+    stream = stream_of({"a": 3, "b": 3, "c": 3}, device, shared)
     step(stream, [("a", 2, 0), ("b", 2, 0), ("c", 1, 0)], rows(1, 2, 3, 4, 5))
     if device.type == "cuda":
         torch.cuda.synchronize()  # the step's copy has landed
@@ -78,10 +84,10 @@ def test_padding_and_names_a_request_does_not_keep_are_zero_whatever_memory_held
     assert taken.spans == [[(0, 3)], [(0, 2)], []]
 
 
-def test_a_row_past_the_announced_positions_is_left_out(device):
+def test_a_row_past_the_announced_positions_is_left_out(device, shared):
     """With asynchronous scheduling vLLM runs one more forward for a request that has just
     finished: that row goes to the spare row, not into the next request's positions."""
-    stream = stream_of({"a": 2, "b": 2}, device)
+    stream = stream_of({"a": 2, "b": 2}, device, shared)
     step(stream, [("a", 2, 0), ("b", 2, 0)], rows(1, 2, 3, 4))
     step(stream, [("a", 1, 2), ("b", 1, 2)], rows(5, 6))  # one position too many each
     taken = stream.take(["a", "b"], {"a": KEEP_X, "b": KEEP_X})["x"]
@@ -89,10 +95,10 @@ def test_a_row_past_the_announced_positions_is_left_out(device):
     assert taken.spans == [[(0, 2)], [(0, 2)]]
 
 
-def test_replaced_rows_are_dropped_and_an_early_stop_narrows_the_batch(device):
+def test_replaced_rows_are_dropped_and_an_early_stop_narrows_the_batch(device, shared):
     """A preempted request recomputed from position 1 (its rows from 1 on replaced), and every
     request ending before its announced positions: the batch is as wide as what was kept."""
-    stream = stream_of({"a": 6, "b": 6}, device)
+    stream = stream_of({"a": 6, "b": 6}, device, shared)
     step(stream, [("a", 3, 0), ("b", 1, 0)], rows(0, 1, 2, 7))
     step(stream, [("a", 1, 1)], rows(11))
     taken = stream.take(["b", "a"], {"a": KEEP_X, "b": KEEP_X})["x"]  # finished in another order
@@ -101,12 +107,12 @@ def test_replaced_rows_are_dropped_and_an_early_stop_narrows_the_batch(device):
     assert taken.values.is_contiguous()
 
 
-def test_names_written_together_land_as_each_written_alone(device):
+def test_names_written_together_land_as_each_written_alone(device, shared):
     """Three names' rows of a step as one ``[names, rows, ...]`` tensor, over steps that take
     each way of copying (decode rows all at one position, then at mixed ones; a prefill of
     equal prompts): each name's cache equals the step store's."""
     positions = {f"r{i}": 5 for i in range(6)}
-    stream = stream_of(positions, device)
+    stream = stream_of(positions, device, shared)
     store = StepStore()
     names = ["p", "q", "s"]
     generator = torch.Generator().manual_seed(0)
@@ -149,3 +155,35 @@ def test_a_compiled_call_writes_its_cache_on_the_host_as_steps_end(hooked, monke
     assert taken
     for name in names:
         torch.testing.assert_close(cache[name], expected[name], rtol=1e-5, atol=1e-5)
+
+
+def test_a_worker_process_writes_its_rows_into_memory_this_process_maps(
+    hooked, engine_args, monkeypatch
+):
+    """A compiled engine whose worker is a process of its own (vLLM's multiprocessing executor
+    on one rank) writes the kept rows into shared memory as steps end, the cache is views of it
+    here, and it equals eager mode's (values handed back whole, not through the shared memory,
+    would not be counted)."""
+    from vlens import HookedVLLM
+    from vlens.runtime import host_blocks
+    from vlens.testing import tiny_model
+
+    mapped = []
+    opened = host_blocks.open_reference
+    monkeypatch.setattr(host_blocks, "open_reference",
+                        lambda reference, into: mapped.append(reference) or opened(reference, into))
+    names = ("blocks.0.hook_resid_post", "blocks.1.attn.hook_z", "blocks.1.mlp.hook_post")
+    compiled = HookedVLLM.from_pretrained(
+        tiny_model("llama"), dtype="float32", distributed_executor_backend="mp",
+        compiled_capture=names, **engine_args,
+    )
+    assert not compiled.engine.in_process
+    prompts = ["The host stream", "crosses to this process, uncopied"]
+    logits, cache = compiled.run_with_cache(prompts, max_new_tokens=3)
+    expected_logits, expected = hooked("llama").run_with_cache(prompts, max_new_tokens=3,
+                                                               names_filter=list(names))
+    assert {tuple(cache[name].shape) for name in names} <= {reference[5] for reference in mapped}
+    # compiled against eager: Inductor's fusion of the traced hooks (as tests/test_compiled.py)
+    for name in names:
+        torch.testing.assert_close(cache[name], expected[name], rtol=1e-4, atol=1e-5, msg=name)
+    torch.testing.assert_close(logits, expected_logits, rtol=1e-4, atol=1e-5)

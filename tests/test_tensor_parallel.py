@@ -1,6 +1,9 @@
 """Tensor parallelism on the CPU backend: two worker processes, one core each. Every name's
 cache and steered generation equal those of one rank."""
 
+import gc
+import os
+
 import pytest
 import torch
 
@@ -199,3 +202,52 @@ for insecure, modules in model.engine.llm.collective_rpc(loaded):
         assert "vlens.runtime.worker" in modules  # the runtime did run there
         assert not [m for m in modules if m.startswith("transformer_lens")], modules
         assert "vlens.hooked" not in modules and "vlens.cache" not in modules, modules
+
+
+def memory_blocks_of_children() -> int:
+    """How many shared host blocks (:mod:`vlens.runtime.host_blocks`) this process's children
+    (the engines' worker processes) hold open."""
+    me, count = str(os.getpid()), 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                parent = stat.read().rsplit(")", 1)[1].split()[1]
+            if parent != me:
+                continue
+            links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+        except OSError:  # gone meanwhile
+            continue
+        count += sum("memfd:vlens-kept-rows" in link for link in links)
+    return count
+
+
+def test_compiled_two_ranks_hand_back_the_memory_they_wrote(compiled_two_ranks, monkeypatch):
+    """The kept rows are written into memory shared with this process as steps end and come back
+    as views of it; a cache still held keeps its memory (a later call writes elsewhere), and
+    memory let go of is written again rather than more taken."""
+    from vlens.runtime import host_blocks
+
+    arch, parallel = compiled_two_ranks
+    mapped = []
+    opened = host_blocks.open_reference
+    monkeypatch.setattr(host_blocks, "open_reference",
+                        lambda reference, into: mapped.append(reference) or opened(reference, into))
+    names = list(COMPILED_STEERED[arch])
+    _, held = parallel.run_with_cache(TEXTS, names_filter=names, max_new_tokens=3)
+    assert {tuple(held[name].shape) for name in names} <= {reference[5] for reference in mapped}
+    kept = {name: held[name].clone() for name in names}
+    _, other = parallel.run_with_cache(TEXTS[::-1], names_filter=names, max_new_tokens=5)
+    for name in names:
+        torch.testing.assert_close(held[name], kept[name], rtol=0, atol=0)
+    del held, other
+    gc.collect()
+    blocks = []  # open after each call
+    for _ in range(5):
+        _, again = parallel.run_with_cache(TEXTS, names_filter=names, max_new_tokens=3)
+        for name in names:
+            torch.testing.assert_close(again[name], kept[name], rtol=0, atol=0)
+        del again
+        gc.collect()
+        blocks.append(memory_blocks_of_children())
+    # the second set of blocks (taken while the first was held) is given back after a few calls
+    assert blocks == sorted(blocks, reverse=True) and blocks[-1] == blocks[-2] < blocks[0]

@@ -22,7 +22,7 @@ import cloudpickle
 import torch
 
 from vlens.process_groups import ensure_expert_group
-from vlens.runtime import shared_tensors
+from vlens.runtime import host_blocks, shared_tensors
 from vlens.runtime.graph import GraphName
 from vlens.runtime.graph_worker import graph_names_for_workers
 from vlens.runtime.messages import (
@@ -80,10 +80,16 @@ class Engine:
             self.llm = LLM(model=model_path, **args, **graph_args)
         self.compiled = bool(graph_names)
         self.tensor_parallel_size = ranks
+        parallel = self.llm.llm_engine.vllm_config.parallel_config
         #: workers in this process's own thread: arguments and results need no serialisation
-        self.in_process = ranks == 1 and in_process_core(self.llm) is not None
+        self.in_process = (
+            parallel.distributed_executor_backend == "uni"
+            and in_process_core(self.llm) is not None
+        )
         #: whether worker processes hand results back on their GPU (None: not checked yet)
         self._gpu_handback: bool | None = None
+        #: whether this process maps the workers' shared host memory (None: not checked yet)
+        self._maps_workers: bool | None = None
         #: a call in progress (a hook function that calls the model again is refused)
         self.running = False
         #: why the engine cannot serve another call, once an interrupted call left it unusable
@@ -128,10 +134,12 @@ class Engine:
             own = copy.copy(params)
             own.extra_args = {**(params.extra_args or {}), TAG_KEY: tag}
             request_params.append(own)
-        if self.in_process and device == "cpu" and params.max_tokens:
+        streamed = device == "cpu" and bool(params.max_tokens) and self.streams_to_host()
+        if streamed:
             # the graph tier writes kept rows into the host's cache as steps end
             plans = [
-                replace(plan, positions=len(prompt) + params.max_tokens - 1)
+                replace(plan, positions=len(prompt) + params.max_tokens - 1,
+                        shared_host=not self.in_process)
                 for plan, prompt in zip(plans, prompts)
             ]
         self._on_workers("prepare", dict(zip(tags, plans)))
@@ -150,7 +158,7 @@ class Engine:
                 self.broken = f"aborting its requests failed: {failure!r}"
             raise
         finally:
-            handback = self.finish(tags, device)
+            handback = self.finish(tags, device, streamed)
         captures = [handback.captures[tag] for tag in tags]
         for index, capture in enumerate(captures):
             if capture.error is not None:
@@ -163,14 +171,36 @@ class Engine:
             [completion.finish_reason for completion in completions],
         )
 
-    def finish(self, tags: list[str], device: str) -> Handback:
-        """What the workers kept for ``tags``, on ``device``. Worker processes (whose results
+    def finish(self, tags: list[str], device: str, streamed: bool = False) -> Handback:
+        """What the workers kept for ``tags``, on ``device``. Where the call was ``streamed``,
+        the graph tier's rows are on the host already, in memory this process maps from worker
+        processes (:mod:`vlens.runtime.host_blocks`). Otherwise worker processes (whose results
         reach this process on the host: ``support.check_cache_device``) on a GPU of this machine
         keep it on their GPU and hand back CUDA IPC handles, which this process opens and copies
-        once to the host (:mod:`vlens.runtime.shared_tensors`); otherwise the worker copies it
+        once to the host (:mod:`vlens.runtime.shared_tensors`); else the worker copies it
         to the host and it crosses through shared memory."""
-        on_gpu = not self.in_process and self.hands_back_on_gpu()
+        on_gpu = not self.in_process and not streamed and self.hands_back_on_gpu()
         return Handback.of_ranks(self._on_workers("finish", tags, "cuda" if on_gpu else device))
+
+    def streams_to_host(self) -> bool:
+        """Whether the graph tier can write a call's kept rows into the host's cache as steps
+        end: in this process, or in memory of worker processes that this process maps."""
+        return self.in_process or (self.compiled and self.maps_worker_memory())
+
+    def maps_worker_memory(self) -> bool:
+        """Whether this process can take the workers' shared host memory as results (checked
+        once with a small block; a ``/proc`` this process may not read, or page-locking that
+        fails, rules it out). A worker on another machine passes: its rows are written into its
+        own shared memory and cross pickled whole after the call."""
+        if self._maps_workers is None:
+            self._maps_workers = False
+            try:
+                probes = self._on_workers("host_block_probe")
+                self._maps_workers = all(torch.equal(p, torch.arange(4.0)) for p in probes)
+            except Exception as failure:  # noqa: BLE001 - the rows can still come after the call
+                logger.warning("vlens: kept rows wait on the workers until the call ends, since "
+                               "this process cannot map their host memory: %r", failure)
+        return self._maps_workers
 
     def hands_back_on_gpu(self) -> bool:
         """Whether worker processes hand results back on their GPU: they run on CUDA devices of
@@ -366,15 +396,18 @@ def keep_process_state_while_others_run(llm: Any) -> None:
     def shutdown_keeping_shared_state() -> None:
         global _live_engines
         _live_engines -= 1
-        if _live_engines > 0:
-            teardown = engine_core_module.cleanup_dist_env_and_memory
-            engine_core_module.cleanup_dist_env_and_memory = lambda *args, **kwargs: None
-            try:
+        try:
+            if _live_engines > 0:
+                teardown = engine_core_module.cleanup_dist_env_and_memory
+                engine_core_module.cleanup_dist_env_and_memory = lambda *args, **kwargs: None
+                try:
+                    shutdown()
+                finally:
+                    engine_core_module.cleanup_dist_env_and_memory = teardown
+            else:
                 shutdown()
-            finally:
-                engine_core_module.cleanup_dist_env_and_memory = teardown
-        else:
-            shutdown()
+        finally:
+            host_blocks.forget_stale()  # the ended workers' memory mapped here
 
     core.shutdown = shutdown_keeping_shared_state
     # The in-process client shuts its core down from a finalizer that holds the original method

@@ -8,7 +8,9 @@
 #   one: the one-GPU benchmark of the graph tier on GPU 0 (every layer's capture streamed to the
 #        host), and on GPU 1 at the same time (or after it, on a one-GPU machine) the graph
 #        tier's tests (tests/test_host_stream.py, tests/test_compiled.py; TEST_K selects);
-#        BENCH_SKIP=eager,hf,transformer_lens also measures one layer and steering (about 4-6 min)
+#        BENCH_SKIP=eager,hf,transformer_lens also measures one layer and steering (about 4-6 min);
+#        BENCH_ARGS adds arguments of bench/run.py (--executor mp: the worker in a process of its
+#        own, as under TP); TEST_FILES (relative to the repository) replaces the tests
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 OUT=${OUT:-/tmp/vlens-scale-out}
@@ -41,12 +43,13 @@ case "${1:-}" in
   one)  # the tests on GPU 1 during the benchmark where there is one, else after it
     gpus=$(nvidia-smi -L | wc -l)
     graph_tests() {
+      local files=(${TEST_FILES:-tests/test_host_stream.py tests/test_compiled.py})
       CUDA_VISIBLE_DEVICES=$((gpus > 1)) tests graph "${TEST_TIMEOUT:-280}" \
-        "$root/tests/test_host_stream.py" "$root/tests/test_compiled.py" ${TEST_K:+-k "$TEST_K"}
+        "${files[@]/#/$root/}" ${TEST_K:+-k "$TEST_K"}
     }
     if ((gpus > 1)); then graph_tests & fi
     CUDA_VISIBLE_DEVICES=0 bench bench-one --skip "${BENCH_SKIP:-eager,hf,transformer_lens,graph_1}" \
-      --reps 2 --timeouts compiled=150,graph_1=200,graph_all=250
+      --reps 2 --timeouts compiled=150,graph_1=200,graph_all=250 ${BENCH_ARGS:-}
     if ((gpus > 1)); then wait; else graph_tests; fi
     ;;
   *) echo "usage: gpu_scale.sh tp|tp-tests|tp-bench|one"; exit 2 ;;

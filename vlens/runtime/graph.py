@@ -242,11 +242,11 @@ class GraphSites:
         as steps end."""
         self.revision += 1
         self.call.keep[tag] = keep
-        if slot is not None and self.parallel is None and HostStream.available(self.device):
+        if slot is not None and HostStream.available(self.device):
             if self.call.stream is None:
                 if self.call.kept.entries or len(self.call.keep) > 1:
                     raise RuntimeError(f"request {tag} has a slot, the call's others had none")
-                self.call.stream = HostStream(slot.batch, self.device)
+                self.call.stream = HostStream(slot.batch, self.device, slot.shared)
             self.call.stream.follow(tag, slot)
         elif self.call.stream is not None:
             raise RuntimeError(f"request {tag} has no slot, the call's others had one")
@@ -383,6 +383,8 @@ class GraphSites:
                 self.call.keep.pop(tag, None)
                 self.call.steering.pop(tag, None)
             if not self.call.keep:
+                if self.call.stream is not None:
+                    self.call.stream.end_call()
                 self.call = CallState()
                 for buffers in self.steering.values():
                     buffers.reset()

@@ -1,13 +1,15 @@
 """A call's kept rows written straight into their place in the host's cache, step by step.
 
-Where the user's process shares the worker's memory (one rank, the cache on the host) and the
-call says how many positions each request can run, the padded ``[batch, pos, ...]`` tensor of
+Where the call keeps its cache on the host and says how many positions each request can run, the
+padded ``[batch, pos, ...]`` tensor of
 every kept name is allocated on the host when the name is first kept, and each step's rows are
 copied into their final rows as the step ends: no step's rows wait on the device until the call
 ends, and nothing is copied again after it (an every-layer generation of 256 requests is 19 GB).
 Names written together (a step's rows of every name of one shape, ``[names, rows, ...]``) share
 one host tensor ``[names, batch * width + 1, ...]``, so that on a GPU the step's rows of all of
-them go over in one set of copies.
+them go over in one set of copies. Where the worker is a process of its own (tensor parallelism),
+that host memory is shared with the user's process (:mod:`vlens.runtime.host_blocks`), so the
+user's cache is the very memory the worker filled.
 
 On a GPU the copy runs on a side stream while later steps compute: the step's rows are cloned on
 the compute stream (a copy inside the GPU's memory), and the side stream moves the clone into
@@ -33,6 +35,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from vlens.runtime import host_blocks
 from vlens.runtime.layout import RequestRows
 from vlens.runtime.messages import PaddedRows, Span
 from vlens.runtime.pitched_copy import Runs, copy_engines, pitched_copies
@@ -45,11 +48,13 @@ IN_FLIGHT = 4
 
 @dataclass(frozen=True)
 class Slot:
-    """Request ``index`` of a call of ``batch`` requests, which runs at most ``positions``."""
+    """Request ``index`` of a call of ``batch`` requests, which runs at most ``positions``; its
+    call's cache is memory the user's process maps from this worker's where ``shared``."""
 
     index: int
     batch: int
     positions: int
+    shared: bool = False
 
 
 @dataclass
@@ -64,9 +69,10 @@ class HostStream:
     """Every kept name's ``[batch * width + 1, ...]`` rows on the host, filled as steps end (the
     last row takes what no request holds)."""
 
-    def __init__(self, batch: int, device: torch.device) -> None:
+    def __init__(self, batch: int, device: torch.device, shared: bool = False) -> None:
         self.batch = batch
         self.device = device
+        self.shared = shared  # the host rows are blocks of :mod:`host_blocks`
         self.slots: dict[str, Slot] = {}
         self.width = 0
         self.host: dict[str, Tensor] = {}  # each name's rows: a view of its group's
@@ -188,12 +194,22 @@ class HostStream:
         self._engines.run(host, rows, copies, self._side)
         self._transfers[-1].held.append(rows)
 
+    def end_call(self) -> None:
+        """The call is over: its host rows are the user's (or free again)."""
+        if self.shared:
+            host_blocks.pool().end_call(list(self._groups.values()))
+
     def _allocate(self, names: tuple[str, ...], rows: Tensor) -> None:
         """The host rows of ``names`` (each like ``rows``), allocated in the step (vLLM's
-        inference mode) as ordinary tensors: they become the user's cache."""
+        inference mode) as ordinary tensors: they become the user's cache. On a GPU they are
+        page-locked, for the copy engines to fill while later steps run."""
         shape = (len(names), self.batch * self.width + 1, *rows.shape[1:])  # and the spare row
+        on_gpu = self._side is not None
         with torch.inference_mode(False):
-            host = torch.empty(shape, dtype=rows.dtype, pin_memory=self._side is not None)
+            if self.shared:
+                host = host_blocks.pool().take(shape, rows.dtype, register=on_gpu)
+            else:
+                host = torch.empty(shape, dtype=rows.dtype, pin_memory=on_gpu)
         self._groups[names] = host
         for name, name_rows in zip(names, host):
             self.host[name] = name_rows

@@ -85,9 +85,12 @@ class RequestPlan:
     attention: tuple[AttentionPlan, ...] = ()
     call_size: int = 1
     #: the most positions the request runs (its prompt and every new token but the last), where
-    #: its call keeps its cache on the host of a process that shares the worker's memory: the
-    #: graph tier then writes its kept rows into that cache as steps end; 0 where not known
+    #: its call keeps its cache on the host: the graph tier then writes its kept rows into that
+    #: cache as steps end; 0 where not known
     positions: int = 0
+    #: whether that cache must be memory the user's process maps from a worker process
+    #: (:mod:`vlens.runtime.host_blocks`) rather than the worker's own
+    shared_host: bool = False
 
     def kept_names(self) -> frozenset[str]:
         """The names read at sites that this request keeps for its cache."""

@@ -11,6 +11,10 @@ pickles its tensors whole: the files would not be there. Files are named after t
 them, and the user's process removes what a call left unread (a rank failed, so no result was
 read) when it ends: no file outlives its call.
 
+Tensors that already lie in shared host memory (a call's kept rows, written there as steps ended:
+:mod:`vlens.runtime.host_blocks`) cross as a reference to that memory, which the user's process
+maps, with no copy at all.
+
 Tensors a worker hands back on its GPU (``finish`` with ``device="cuda"``, see
 ``Engine.finish``) cross as CUDA IPC handles instead: the user's process opens the worker's
 memory and copies it once to the host (into pinned memory, which torch reuses from call to
@@ -34,6 +38,8 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
+
+from vlens.runtime import host_blocks
 
 #: Tensors smaller than this are pickled as they are (a file per tensor costs more than a copy).
 MIN_SHARED_BYTES = 1 << 20
@@ -105,6 +111,9 @@ class _SharingPickler(pickle.Pickler):
             return ("cuda-tensor", handle)
         if not isinstance(obj, Tensor) or obj.device.type != "cpu":
             return None
+        reference = host_blocks.hand_out(obj)
+        if reference is not None:
+            return ("host-block", reference)
         nbytes = obj.numel() * obj.element_size()
         if nbytes < MIN_SHARED_BYTES or obj.requires_grad:
             return None
@@ -119,10 +128,14 @@ class _MappingUnpickler(pickle.Unpickler):
         super().__init__(file)
         #: tensors opened in a worker's GPU memory, held until their copies are done
         self.opened = opened
+        #: host blocks of the workers mapped for this result (:mod:`host_blocks`)
+        self.mapped: dict[tuple[int, int], Tensor] = {}
 
     def persistent_load(self, pid: Any) -> Tensor:
         if pid[0] == "cuda-tensor":
             return self._copied_out(rebuild_cuda_tensor(*pid[1]))
+        if pid[0] == "host-block":
+            return host_blocks.open_reference(pid[1], self.mapped)
         kind, path, dtype_name, shape = pid
         if kind != "shared-tensor":
             raise pickle.UnpicklingError(f"unknown persistent id {kind!r}")

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from vlens.locations import Site
+from vlens.runtime import host_blocks
 from vlens.runtime.attention import AttentionSites, unsupported
 from vlens.runtime.batches import batched_sites, call_of, in_batches, shape_key
 from vlens.runtime.graph import GraphSites
@@ -94,7 +95,11 @@ class WorkerRuntime:
             self.wanted[tag] = plan
             self.captures[tag] = RequestCapture()
             if self.graph is not None:
-                slot = Slot(plan.index, plan.call_size, plan.positions) if plan.positions else None
+                slot = (
+                    Slot(plan.index, plan.call_size, plan.positions, plan.shared_host)
+                    if plan.positions
+                    else None
+                )
                 self.graph.prepare(tag, plan.graph_keep, plan.steering, slot)
             if plan.attention and refusal is not None:
                 self.captures[tag].error = refusal  # raised after the call; its hooks never run
@@ -166,6 +171,17 @@ class WorkerRuntime:
         """A small tensor on this worker's device: whether the user's process can open what
         this worker hands back on its GPU (``Engine.hands_back_on_gpu``)."""
         return torch.arange(4.0, device=next(self.model.parameters()).device)
+
+    def host_block_probe(self) -> Tensor:
+        """A small tensor in this worker's shared host memory (page-locked where the model is on
+        a GPU): whether the user's process can map what a call's kept rows are written into
+        (``Engine.maps_worker_memory``)."""
+        on_gpu = next(self.model.parameters()).device.type == "cuda"
+        blocks = host_blocks.pool()
+        probe = blocks.take((4,), torch.float32, register=on_gpu)
+        probe.copy_(torch.arange(4.0))
+        blocks.end_call([probe])
+        return probe
 
     def clear_contexts(self) -> None:
         """Forget every ``hook.ctx`` (TransformerLens's ``reset_hooks(clear_contexts=True)``)."""
