@@ -12,6 +12,14 @@ from vlens.runtime import host_blocks
 from vlens.runtime.host_blocks import HostBlockPool, open_reference
 
 
+def one_call(pool: HostBlockPool, count: int, value: float) -> torch.Tensor:
+    """A worker's call: ``count`` floats in a block, filled with ``value``, then the call ends."""
+    host = pool.take((count,), torch.float32, register=False)
+    host.fill_(value)
+    pool.end_call([host])
+    return host
+
+
 def handed_back(pool: HostBlockPool, tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` as the user's process would see it after the call that filled it."""
     reference = pool.hand_out(tensor)
@@ -34,9 +42,7 @@ def test_a_view_crosses_with_its_offset_shape_and_stride():
 
 def test_a_block_the_user_holds_is_not_reused_until_let_go():
     pool = HostBlockPool()
-    first = pool.take((16,), torch.float32, register=False)
-    first.fill_(1.0)
-    pool.end_call([first])
+    first = one_call(pool, 16, 1.0)
     user = handed_back(pool, first)
     second = pool.take((16,), torch.float32, register=False)  # the user still holds the first
     second.fill_(2.0)
@@ -87,24 +93,17 @@ def test_every_dtype_crosses(dtype):
 def test_the_next_call_in_a_block_reuses_this_process_s_mapping():
     """Pages read once stay mapped here: the same block handed back again is the same mapping."""
     pool = HostBlockPool()
-    host = pool.take((64,), torch.float32, register=False)
-    host.fill_(1.0)
-    pool.end_call([host])
-    first = handed_back(pool, host)
+    first = handed_back(pool, one_call(pool, 64, 1.0))
     address = first.data_ptr()
     del first
     gc.collect()
-    again = pool.take((64,), torch.float32, register=False)
-    again.fill_(2.0)
-    pool.end_call([again])
-    second = handed_back(pool, again)
+    second = handed_back(pool, one_call(pool, 64, 2.0))
     assert second.data_ptr() == address and torch.equal(second, torch.full((64,), 2.0))
 
 
 def test_a_block_given_back_by_its_worker_is_unmapped_here():
     pool = HostBlockPool()
-    host = pool.take((64,), torch.float32, register=False)
-    pool.end_call([host])
+    host = one_call(pool, 64, 0.0)
     block = pool.block_of(host)
     user = handed_back(pool, host)
     key = (os.getpid(), block.fd)
