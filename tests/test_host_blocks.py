@@ -114,3 +114,21 @@ def test_a_block_given_back_by_its_worker_is_unmapped_here():
     block.discard()
     host_blocks.forget_stale()
     assert key not in host_blocks._mapped
+
+
+def test_a_forked_child_letting_go_of_a_cache_does_not_free_its_block():
+    """A child forked while the cache is held (a DataLoader's workers) drops its copy: the block
+    stays the parent's."""
+    pool = HostBlockPool()
+    host = one_call(pool, 16, 1.0)
+    user = handed_back(pool, host)
+    child = os.fork()
+    if child == 0:  # the child: let go of its copy of the cache, then leave at once
+        del user
+        gc.collect()
+        os._exit(0)
+    os.waitpid(child, 0)
+    assert pool.block_of(host).user_holds()
+    del user
+    gc.collect()
+    assert not pool.block_of(host).user_holds()

@@ -211,7 +211,7 @@ def open_reference(reference: BlockReference, leases: dict[tuple[int, int], Tens
     if key not in leases:
         block = _mapping_of(pid, fd, size)
         lease = memoryview(block.mapping)  # what the views hold: its end frees the block
-        weakref.finalize(lease, _give_back, block)
+        weakref.finalize(lease, _give_back, block, os.getpid())
         with torch.inference_mode(False):
             leases[key] = torch.frombuffer(lease, dtype=torch.uint8, offset=HEADER_BYTES,
                                            count=size)
@@ -252,6 +252,8 @@ def _inode(pid: int, fd: int) -> int | None:
         return None
 
 
-def _give_back(block: _Mapped) -> None:
-    """Mark a block :data:`FREE` for its worker's pool."""
-    os.pwrite(block.fd, bytes([FREE]), 0)
+def _give_back(block: _Mapped, owner: int) -> None:
+    """Mark a block :data:`FREE` for its worker's pool, from the process that took the lease
+    (not from a forked child dropping its copy, while the parent still reads the cache)."""
+    if os.getpid() == owner:
+        os.pwrite(block.fd, bytes([FREE]), 0)
