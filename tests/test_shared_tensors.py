@@ -5,9 +5,11 @@ from __future__ import annotations
 import glob
 import os
 
+import cloudpickle
 import pytest
 import torch
 
+from vlens import Steer
 from vlens.runtime import shared_tensors
 from vlens.runtime.messages import PaddedRows
 
@@ -91,3 +93,42 @@ def test_tensors_on_a_workers_gpu_cross_as_handles_and_are_copied_to_the_host():
     finally:
         worker.join(timeout=60)
     assert worker.exitcode == 0
+
+
+SMALL_TENSORS = [
+    torch.randn(3, 4),
+    torch.randn(4, 3).t(),  # not contiguous
+    torch.tensor(2.5),  # no dimensions
+    torch.zeros(0, 5),
+    torch.randn(5).to(torch.bfloat16),  # no numpy dtype of its own
+    torch.tensor([True, False]),
+    torch.arange(10)[2:7],  # a view into a larger storage
+    torch.randn(3, dtype=torch.complex64).conj(),
+]
+
+
+@pytest.mark.parametrize("tensor", SMALL_TENSORS, ids=lambda t: f"{t.dtype}{tuple(t.shape)}")
+def test_small_tensors_cross_as_their_bytes_in_arguments_and_results(tensor):
+    arguments = cloudpickle.loads(shared_tensors.dumps_arguments((tensor, lambda: tensor)))
+    result = shared_tensors.loads(
+        [shared_tensors.dumps(tensor, "test-4", shared_tensors.this_machine())]
+    )[0]
+    for back in (arguments[0], arguments[1](), result):
+        assert back.dtype == tensor.dtype and back.shape == tensor.shape
+        assert torch.equal(back, tensor.resolve_conj())
+    steer = cloudpickle.loads(shared_tensors.dumps_arguments(Steer("x", add=torch.ones(4))))
+    assert torch.equal(steer.add, torch.ones(4))
+
+
+def test_a_small_view_carries_only_its_own_bytes():
+    large = torch.randn(1 << 16)
+    assert len(shared_tensors.dumps_arguments(large[:4])) < 1000
+
+
+def test_tensors_that_need_autograd_or_a_subclass_are_pickled_as_torch_does():
+    parameter = torch.nn.Parameter(torch.ones(2))
+    needs_grad = torch.ones(3, requires_grad=True)
+    back_parameter, back_needs_grad = cloudpickle.loads(
+        shared_tensors.dumps_arguments((parameter, needs_grad))
+    )
+    assert isinstance(back_parameter, torch.nn.Parameter) and back_needs_grad.requires_grad

@@ -18,7 +18,6 @@ from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any
 
-import cloudpickle
 import torch
 
 from vlens.process_groups import ensure_expert_group
@@ -299,7 +298,9 @@ class WorkerCall:
 
     def __init__(self, method: str, args: tuple) -> None:
         self.label = f"{os.getpid()}-{next(_rpc_ids)}"
-        self.arguments = (method, cloudpickle.dumps(args), self.label, shared_tensors.this_machine())
+        self.arguments = (
+            method, shared_tensors.dumps_arguments(args), self.label, shared_tensors.this_machine()
+        )
 
     def results(self, returned: Sequence[bytes]) -> list[Any]:
         return shared_tensors.loads(returned)
