@@ -32,7 +32,7 @@ def install_timers(worker: Any) -> int:
 
     runtime = runtime_of(worker)
     graph, runner = runtime.graph, worker.model_runner
-    times: dict[str, list[float]] = {"execute": [], "before": [], "after": []}
+    times: dict[str, list[float]] = {"execute": [], "before": [], "after": [], "finish": []}
     worker._vlens_step_times = times
 
     def timed(key: str, function: Any) -> Any:
@@ -41,7 +41,6 @@ def install_timers(worker: Any) -> int:
     runner.execute_model = timed("execute", runner.execute_model)
     graph.before_step = timed("before", graph.before_step)
     graph.after_step = timed("after", graph.after_step)
-    times["finish"] = []
     runtime.finish = timed("finish", runtime.finish)
     return runtime.parallel.rank if runtime.parallel else 0
 

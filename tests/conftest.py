@@ -23,6 +23,19 @@ def engine_args_of_tests() -> dict[str, object]:
     return {**TINY_KV_CACHE, **json.loads(os.environ.get("VLENS_TEST_ENGINE_ARGS", "{}"))}
 
 
+@pytest.fixture
+def mapped_references(monkeypatch) -> list[tuple]:
+    """Every reference to a worker's shared host memory this process maps during the test
+    (:func:`vlens.runtime.host_blocks.open_reference`): rows handed back uncopied."""
+    from vlens.runtime import host_blocks
+
+    mapped: list[tuple] = []
+    opened = host_blocks.open_reference
+    monkeypatch.setattr(host_blocks, "open_reference",
+                        lambda reference, into: mapped.append(reference) or opened(reference, into))
+    return mapped
+
+
 @pytest.fixture(scope="session")
 def engine_args() -> dict[str, object]:
     """:func:`engine_args_of_tests`, for tests that build engines of their own."""

@@ -158,20 +158,15 @@ def test_a_compiled_call_writes_its_cache_on_the_host_as_steps_end(hooked, monke
 
 
 def test_a_worker_process_writes_its_rows_into_memory_this_process_maps(
-    hooked, engine_args, monkeypatch
+    hooked, engine_args, mapped_references
 ):
     """A compiled engine whose worker is a process of its own (vLLM's multiprocessing executor
     on one rank) writes the kept rows into shared memory as steps end, the cache is views of it
     here, and it equals eager mode's (values handed back whole, not through the shared memory,
     would not be counted)."""
     from vlens import HookedVLLM
-    from vlens.runtime import host_blocks
     from vlens.testing import tiny_model
 
-    mapped = []
-    opened = host_blocks.open_reference
-    monkeypatch.setattr(host_blocks, "open_reference",
-                        lambda reference, into: mapped.append(reference) or opened(reference, into))
     names = ("blocks.0.hook_resid_post", "blocks.1.attn.hook_z", "blocks.1.mlp.hook_post")
     compiled = HookedVLLM.from_pretrained(
         tiny_model("llama"), dtype="float32", distributed_executor_backend="mp",
@@ -182,7 +177,7 @@ def test_a_worker_process_writes_its_rows_into_memory_this_process_maps(
     logits, cache = compiled.run_with_cache(prompts, max_new_tokens=3)
     expected_logits, expected = hooked("llama").run_with_cache(prompts, max_new_tokens=3,
                                                                names_filter=list(names))
-    assert {tuple(cache[name].shape) for name in names} <= {reference[5] for reference in mapped}
+    assert {tuple(cache[name].shape) for name in names} <= {reference[5] for reference in mapped_references}
     # compiled against eager: Inductor's fusion of the traced hooks (as tests/test_compiled.py)
     for name in names:
         torch.testing.assert_close(cache[name], expected[name], rtol=1e-4, atol=1e-5, msg=name)

@@ -221,20 +221,14 @@ def memory_blocks_of_children() -> int:
     return count
 
 
-def test_compiled_two_ranks_hand_back_the_memory_they_wrote(compiled_two_ranks, monkeypatch):
+def test_compiled_two_ranks_hand_back_the_memory_they_wrote(compiled_two_ranks, mapped_references):
     """The kept rows are written into memory shared with this process as steps end and come back
     as views of it; a cache still held keeps its memory (a later call writes elsewhere), and
     memory let go of is written again rather than more taken."""
-    from vlens.runtime import host_blocks
-
     arch, parallel = compiled_two_ranks
-    mapped = []
-    opened = host_blocks.open_reference
-    monkeypatch.setattr(host_blocks, "open_reference",
-                        lambda reference, into: mapped.append(reference) or opened(reference, into))
     names = list(COMPILED_STEERED[arch])
     _, held = parallel.run_with_cache(TEXTS, names_filter=names, max_new_tokens=3)
-    assert {tuple(held[name].shape) for name in names} <= {reference[5] for reference in mapped}
+    assert {tuple(held[name].shape) for name in names} <= {reference[5] for reference in mapped_references}
     kept = {name: held[name].clone() for name in names}
     _, other = parallel.run_with_cache(TEXTS[::-1], names_filter=names, max_new_tokens=5)
     for name in names:

@@ -173,14 +173,14 @@ class _MappingUnpickler(pickle.Unpickler):
         super().__init__(file)
         #: tensors opened in a worker's GPU memory, held until their copies are done
         self.opened = opened
-        #: host blocks of the workers mapped for this result (:mod:`host_blocks`)
-        self.mapped: dict[tuple[int, int], Tensor] = {}
+        #: this result's lease of each worker's host block it views (:mod:`host_blocks`)
+        self.leases: dict[tuple[int, int], Tensor] = {}
 
     def persistent_load(self, pid: Any) -> Tensor:
         if pid[0] == "cuda-tensor":
             return self._copied_out(rebuild_cuda_tensor(*pid[1]))
         if pid[0] == "host-block":
-            return host_blocks.open_reference(pid[1], self.mapped)
+            return host_blocks.open_reference(pid[1], self.leases)
         kind, path, dtype_name, shape = pid
         if kind != "shared-tensor":
             raise pickle.UnpicklingError(f"unknown persistent id {kind!r}")
