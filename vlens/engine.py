@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from vlens.interrupts import WorkerWaits
 from vlens.process_groups import ensure_expert_group
 from vlens.runtime import host_blocks, shared_tensors
 from vlens.runtime.graph import GraphName
@@ -94,6 +95,11 @@ class Engine:
         #: why the engine cannot serve another call, once an interrupted call left it unusable
         self.broken: str | None = None
         keep_process_state_while_others_run(self.llm)
+        #: a Ctrl-C waits for the worker processes' answer (None: the workers are in this thread)
+        self.worker_waits = None if self.in_process else WorkerWaits()
+        if self.worker_waits is not None:
+            self._on_workers("leave_interrupts_to_the_user")
+            step_whole_steps(self.llm.llm_engine, self.worker_waits)
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -151,13 +157,18 @@ class Engine:
         except BaseException:
             # Ctrl-C, or a hook raising KeyboardInterrupt/SystemExit, stopped vLLM mid-step: its
             # requests would stay scheduled and the next call would never end.
+            if self.worker_waits is not None and self.worker_waits.lost_answer:
+                self.broken = ("a second Ctrl-C stopped it before its worker processes answered, "
+                               "and vLLM would read that answer as the next one")
+                raise
             try:
                 self.abort_unfinished()
             except Exception as failure:  # noqa: BLE001 - the interrupt is what the user sees
                 self.broken = f"aborting its requests failed: {failure!r}"
             raise
         finally:
-            handback = self.finish(tags, device, streamed)
+            if self.broken is None:
+                handback = self.finish(tags, device, streamed)
         captures = [handback.captures[tag] for tag in tags]
         for index, capture in enumerate(captures):
             if capture.error is not None:
@@ -259,7 +270,9 @@ class Engine:
 
         if self.in_process:
             return self.llm.collective_rpc(call_runtime, args=(method, *args))
-        with WorkerCall(method, args) as call:
+        assert self.worker_waits is not None
+        # a Ctrl-C waits until the results are read too: what the workers handed out returns
+        with self.worker_waits.wait(), WorkerCall(method, args) as call:
             return call.results(self.llm.collective_rpc("vlens_call", args=call.arguments))
 
     def _on_driver(self, method: str, *args: Any) -> Any:
@@ -326,6 +339,19 @@ CPU_KV_CACHE_BYTES = 2**30
 #: The engine argument that gives every vLLM worker vlens's entry point (a method called by
 #: name, so that nothing callable crosses vLLM's channels).
 WORKER_EXTENSION = {"worker_extension_cls": "vlens.runtime.worker.WorkerExtension"}
+
+
+def step_whole_steps(llm_engine: Any, waits: WorkerWaits) -> None:
+    """Let a Ctrl-C stop ``llm_engine``'s calls only between steps (see :mod:`vlens.interrupts`):
+    its ``step`` runs inside ``waits.wait()``."""
+    step = type(llm_engine).step
+    engine = weakref.ref(llm_engine)  # the engine holds the wrapper: no reference cycle
+
+    def whole_step() -> Any:
+        with waits.wait():
+            return step(engine())
+
+    llm_engine.step = whole_step
 
 
 def in_process_core(llm: Any) -> Any:

@@ -16,6 +16,8 @@ Hooks on attention scores, patterns and per-head results go to :class:`Attention
 
 from __future__ import annotations
 
+import signal
+import threading
 import traceback
 from typing import Any
 
@@ -166,6 +168,14 @@ class WorkerRuntime:
         self.step_rows.clear()
         if getattr(self.runner, "execute_model_state", None) is not None:
             self.runner.execute_model_state = None
+
+    def leave_interrupts_to_the_user(self) -> None:
+        """In a worker process of its own: ignore SIGINT, which a Ctrl-C sends to the user's
+        whole process group and on which vLLM's workers exit; the user's process stops the call
+        (:mod:`vlens.interrupts`). The worker still ends with the engine (vLLM's shutdown, or
+        the user's process ending)."""
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     def gpu_probe(self) -> Tensor:
         """A small tensor on this worker's device: whether the user's process can open what
