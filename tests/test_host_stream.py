@@ -5,6 +5,8 @@ and rows vLLM replaced left out, as :class:`~vlens.runtime.step_store.StepStore`
 
 from __future__ import annotations
 
+import io
+
 import pytest
 import torch
 
@@ -155,6 +157,19 @@ def test_a_compiled_call_writes_its_cache_on_the_host_as_steps_end(hooked, monke
     assert taken
     for name in names:
         torch.testing.assert_close(cache[name], expected[name], rtol=1e-5, atol=1e-5)
+    # the two resid_post were written into one host tensor; each name saves alone, uncopied
+    assert_saved_alone(cache, names)
+
+
+def assert_saved_alone(cache, names) -> None:
+    """Each name's value has a storage of its own bytes: ``torch.save`` of one name writes that
+    name (not every name written with it), as with an eager cache."""
+    for name in names:
+        value = cache[name]
+        assert value.untyped_storage().nbytes() == value.nbytes, name
+        saved = io.BytesIO()
+        torch.save(value, saved)
+        assert value.nbytes < len(saved.getvalue()) < value.nbytes + 2048, name
 
 
 def test_a_worker_process_writes_its_rows_into_memory_this_process_maps(
@@ -182,3 +197,4 @@ def test_a_worker_process_writes_its_rows_into_memory_this_process_maps(
     for name in names:
         torch.testing.assert_close(cache[name], expected[name], rtol=1e-4, atol=1e-5, msg=name)
     torch.testing.assert_close(logits, expected_logits, rtol=1e-4, atol=1e-5)
+    assert_saved_alone(cache, names)

@@ -134,12 +134,31 @@ def padded_batch(
     chunks (``captured[i]``, where hook functions ran) and whole-step reads joined and padded;
     the whole-step reads' own tensor, uncopied, when they alone hold every position."""
     if whole_steps is not None and not any(captured) and whole_steps.is_batch(lengths):
-        return whole_steps.values
+        return with_own_storage(whole_steps.values)
     rows = []
     for index, (chunks, length) in enumerate(zip(captured, lengths)):
         more = whole_steps.chunks(index) if whole_steps is not None else []
         rows.append(join_chunks(name, [*chunks, *more], length))
     return pad_batch(rows)
+
+
+def with_own_storage(value: Tensor) -> Tensor:
+    """``value`` on a storage of its own bytes where it views part of a larger one (the graph tier
+    writes names of one shape into one host allocation), without a copy: ``torch.save`` of one
+    name then writes that name, as with TransformerLens's cache, not its whole allocation. The
+    new storage holds the old one alive."""
+    if value.device.type != "cpu" or value.numel() == 0 or min(value.stride(), default=0) < 0:
+        return value
+    item = value.element_size()
+    extent = 1 + sum((n - 1) * step for n, step in zip(value.shape, value.stride()))
+    storage = value.untyped_storage()
+    if storage.nbytes() <= extent * item:
+        return value
+    start = value.storage_offset() * item
+    with torch.inference_mode(False):
+        every_byte = torch.empty(0, dtype=torch.uint8).set_(storage)
+        region = every_byte[start : start + extent * item].numpy()  # holds ``storage``
+        return torch.frombuffer(region, dtype=value.dtype).as_strided(value.shape, value.stride())
 
 
 def pad_batch(values: Sequence[Tensor]) -> Tensor:
