@@ -294,10 +294,9 @@ def test_a_second_ctrl_c_stops_a_slow_step_at_once_and_the_engine_says_to_rebuil
 def test_a_ctrl_c_while_waiting_on_workers_is_raised_when_the_wait_ends():
     waits = WorkerWaits()
     after_signal = []
-    with pytest.raises(KeyboardInterrupt):
-        with waits.wait():
-            signal.raise_signal(signal.SIGINT)
-            after_signal.append("the wait went on")
+    with pytest.raises(KeyboardInterrupt), waits.wait():
+        signal.raise_signal(signal.SIGINT)
+        after_signal.append("the wait went on")
     assert after_signal == ["the wait went on"] and not waits.lost_answer
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
@@ -305,11 +304,10 @@ def test_a_ctrl_c_while_waiting_on_workers_is_raised_when_the_wait_ends():
 def test_a_second_ctrl_c_while_waiting_on_workers_is_raised_at_once():
     waits = WorkerWaits()
     after_signal = []
-    with pytest.raises(KeyboardInterrupt) as raised:
-        with waits.wait():
-            signal.raise_signal(signal.SIGINT)
-            signal.raise_signal(signal.SIGINT)
-            after_signal.append("the wait went on")
+    with pytest.raises(KeyboardInterrupt) as raised, waits.wait():
+        signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)
+        after_signal.append("the wait went on")
     assert after_signal == [] and waits.lost_answer
     assert raised.value.__context__ is None  # raised once, not again when the wait ended
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -147,6 +147,31 @@ def test_gradients_are_refused_with_the_alternative(models, call):
         call(model)
 
 
+def test_module_calls_of_notebooks_return_the_model_as_on_the_bridge(models):
+    """``model.eval()``, ``model.to(device)`` and kin where they already hold (the engine's
+    device and dtype; an engine is never training) return the model, as ``nn.Module`` does."""
+    model, bridge = models
+    assert bridge.eval() is bridge and not bridge.training
+    assert model.eval() is model and not model.training and model.train(False) is model
+    assert model.to("cpu") is model and model.cpu() is model and model.to(torch.float32) is model
+    assert model.to(torch.device("cpu")) is model and model.requires_grad_(False) is model
+    torch.testing.assert_close(model(TEXT), bridge(TEXT), **CLOSE)
+
+
+def test_module_calls_vllm_cannot_follow_are_refused_with_the_fix(models):
+    model, _ = models
+    with pytest.raises(ValueError, match=r"weights are torch.float32.*from_pretrained\(path, dtype='float16'\)"):
+        model.to(torch.float16)
+    with pytest.raises(ValueError, match="runs on 'cpu'.*tensor.to"):
+        model.cuda()
+    with pytest.raises(ValueError, match="runs on 'cpu'"):
+        model.to("meta")
+    with pytest.raises(NotImplementedError, match="train\\(\\): vLLM runs inference only"):
+        model.train()
+    with pytest.raises(NotImplementedError, match="inference only"):
+        model.requires_grad_()
+
+
 def test_what_vllm_cannot_start_from_is_refused(models):
     model, _ = models
     with pytest.raises(NotImplementedError, match="hook_resid_pre"):

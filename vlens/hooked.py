@@ -25,6 +25,7 @@ from vlens.mappings import mapping_for
 from vlens.memory_budget import check_cache_fits
 from vlens.model_config import ModelConfig
 from vlens.model_views import ModelViews
+from vlens.module_surface import ModuleSurface
 from vlens.names import NamesFilter, select_names
 from vlens.outputs import (
     Output,
@@ -58,7 +59,7 @@ SAMPLER_NAMES: dict[str, Spec] = {
 }
 
 
-class HookedVLLM(TokenMethods, GenerateMethods, ModelViews):
+class HookedVLLM(TokenMethods, GenerateMethods, ModelViews, ModuleSurface):
     """A vLLM engine that answers in TransformerLens hook names.
 
     Build it with :meth:`from_pretrained`; ``print(model)`` shows vLLM's module tree;
