@@ -153,8 +153,10 @@ def test_module_calls_of_notebooks_return_the_model_as_on_the_bridge(models):
     model, bridge = models
     assert bridge.eval() is bridge and not bridge.training
     assert model.eval() is model and not model.training and model.train(False) is model
-    assert model.to("cpu") is model and model.cpu() is model and model.to(torch.float32) is model
-    assert model.to(torch.device("cpu")) is model and model.requires_grad_(False) is model
+    here = model.engine_device_type()  # "cpu" here, "cuda" on a GPU
+    assert model.to(here) is model and getattr(model, here)() is model
+    assert model.to(torch.device(here)) is model and model.to(torch.float32) is model
+    assert model.requires_grad_(False) is model
     torch.testing.assert_close(model(TEXT), bridge(TEXT), **CLOSE)
 
 
@@ -162,9 +164,10 @@ def test_module_calls_vllm_cannot_follow_are_refused_with_the_fix(models):
     model, _ = models
     with pytest.raises(ValueError, match=r"weights are torch.float32.*from_pretrained\(path, dtype='float16'\)"):
         model.to(torch.float16)
-    with pytest.raises(ValueError, match="runs on 'cpu'.*tensor.to"):
-        model.cuda()
-    with pytest.raises(ValueError, match="runs on 'cpu'"):
+    here = model.engine_device_type()
+    with pytest.raises(ValueError, match=f"runs on {here!r}.*tensor.to"):
+        model.cpu() if here == "cuda" else model.cuda()
+    with pytest.raises(ValueError, match=f"runs on {here!r}"):
         model.to("meta")
     with pytest.raises(NotImplementedError, match="train\\(\\): vLLM runs inference only"):
         model.train()

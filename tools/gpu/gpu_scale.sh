@@ -10,7 +10,8 @@
 #        tier's tests (tests/test_host_stream.py, tests/test_compiled.py; TEST_K selects);
 #        BENCH_SKIP=eager,hf,transformer_lens also measures one layer and steering (about 4-6 min);
 #        BENCH_ARGS adds arguments of bench/run.py (--executor mp: the worker in a process of its
-#        own, as under TP); TEST_FILES (relative to the repository) replaces the tests
+#        own, as under TP); TEST_FILES (relative to the repository) replaces the tests, and
+#        TEST_ENGINE_ARGS (JSON) their engines' arguments
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 OUT=${OUT:-/tmp/vlens-scale-out}
@@ -19,7 +20,7 @@ source "$root/tools/gpu/gpu_setup.sh" || exit 1
 export NCCL_NVLS_ENABLE=0  # NVLink multicast stays off on the lent machines
 tests() {  # fp32 parity between compiled and eager: Triton's dots in IEEE precision
   TRITON_F32_DEFAULT=ieee TRITON_CACHE_DIR=/tmp/triton-$1 \
-    VLENS_TEST_ENGINE_ARGS='{"gpu_memory_utilization": 0.08, "kv_cache_memory_bytes": 1073741824}' \
+    VLENS_TEST_ENGINE_ARGS=${TEST_ENGINE_ARGS:-'{"gpu_memory_utilization": 0.08, "kv_cache_memory_bytes": 1073741824}'} \
     timeout "$2" python3 -m pytest -q -p no:cacheprovider "${@:3}" > "$OUT/tests-$1.log" 2>&1
   echo "tests $1: exit $?"; tail -1 "$OUT/tests-$1.log"
   grep -h "^FAILED\|^E " "$OUT/tests-$1.log" | head -10
