@@ -128,11 +128,12 @@ def test_a_hook_that_calls_the_model_gets_a_clear_error_at_once(scenarios):
 
 # ---- worker processes (tensor parallelism) ------------------------------------------------------
 # A Ctrl-C in a terminal or a notebook reaches the user's whole process group, vLLM's worker
-# processes included. The child runs in a session of its own, and the parent sends each SIGINT to
-# that group, as a terminal does, when the child (or a hook in a worker) prints "SIGNAL ME <n>".
+# processes included. The child runs in a session of its own, and each SIGINT goes to that group,
+# as a terminal sends it: from the parent when a hook in a worker prints "SIGNAL ME <n>", or from
+# a thread of the child where no hook can say when (a compiled engine).
 
 TENSOR_PARALLEL_CHILD = r"""
-import gc, json, os, sys, threading, time
+import gc, json, os, signal, sys, threading, time
 import torch
 from vlens import HookedVLLM
 from vlens.testing import tiny_model
@@ -187,13 +188,18 @@ if __name__ == "__main__":
         return compiled.run_with_cache(prompts, names_filter=NAMES, max_new_tokens=max_new_tokens)[1]
     reference = {name: tensor.clone() for name, tensor in cache_of().items()}
     start = time.monotonic()
-    cache_of(PROMPTS * 8, 300)
+    cache_of(PROMPTS * 16, 400)
     seconds = time.monotonic() - start
     gc.collect()
     blocks_before = memory_blocks_of_workers()
-    threading.Timer(seconds / 2, print, args=("SIGNAL ME 1",), kwargs={"flush": True}).start()
+    def signal_once_running(requests=compiled.engine.llm.llm_engine.output_processor.request_states):
+        while not requests:  # the call's requests reached vLLM
+            time.sleep(0.002)
+        time.sleep(seconds / 4)
+        os.killpg(os.getpgrp(), signal.SIGINT)  # from here: a busy parent may answer late
+    threading.Thread(target=signal_once_running, daemon=True).start()
     try:
-        cache_of(PROMPTS * 8, 300)
+        cache_of(PROMPTS * 16, 400)
         raised = None
     except KeyboardInterrupt:
         raised = "KeyboardInterrupt"
