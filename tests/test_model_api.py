@@ -175,6 +175,13 @@ def test_module_calls_vllm_cannot_follow_are_refused_with_the_fix(models):
         model.requires_grad_()
 
 
+def test_the_bridges_hugging_face_model_is_refused_with_how_to_load_one(models):
+    model, bridge = models
+    assert bridge.original_model is not None
+    with pytest.raises(AttributeError, match="holds no HuggingFace module.*AutoModelForCausalLM"):
+        model.original_model  # noqa: B018 - the attribute access is the test
+
+
 def test_what_vllm_cannot_start_from_is_refused(models):
     model, _ = models
     with pytest.raises(NotImplementedError, match="hook_resid_pre"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, NoReturn
 
 import torch
 from jaxtyping import Float, Int
@@ -153,6 +153,16 @@ class HookedVLLM(TokenMethods, GenerateMethods, ModelViews, ModuleSurface):
 
     def __repr__(self) -> str:
         return self.engine.module_tree()
+
+    @property
+    def original_model(self) -> NoReturn:
+        """TransformerLens's bridge wraps a HuggingFace model here; vLLM holds none."""
+        raise AttributeError(
+            "original_model: TransformerLens's bridge wraps a HuggingFace model, but vlens runs "
+            "the checkpoint in vLLM and holds no HuggingFace module; for a HuggingFace reference "
+            "load one yourself: transformers.AutoModelForCausalLM.from_pretrained("
+            f"{str(self.weights.folder)!r})"
+        )
 
     # ---- hooks (TransformerLens's API) -------------------------------------------------------
 
