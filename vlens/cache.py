@@ -24,6 +24,7 @@ from vlens.engine import Run
 from vlens.lazy_patterns import LazyAttention
 from vlens.mapping import DerivedSpec, HookSpec, Spec, per_sample
 from vlens.names import UnknownHookName, canonical, short_form
+from vlens.runtime.host_blocks import elements_spanned
 from vlens.runtime.messages import Chunk, PaddedRows
 
 
@@ -150,7 +151,7 @@ def with_own_storage(value: Tensor) -> Tensor:
     if value.device.type != "cpu" or value.numel() == 0 or min(value.stride(), default=0) < 0:
         return value
     item = value.element_size()
-    extent = 1 + sum((n - 1) * step for n, step in zip(value.shape, value.stride()))
+    extent = elements_spanned(tuple(value.shape), value.stride())
     storage = value.untyped_storage()
     if storage.nbytes() <= extent * item:
         return value

@@ -37,9 +37,10 @@ class ModuleSurface:
 
     def to(self, device_or_dtype: str | torch.device | torch.dtype | None = None,
            print_details: bool = True) -> ModuleSurface:
-        """TransformerLens's ``to`` (``print_details`` only says whether it prints the move): the model, where the engine already runs on ``device_or_dtype`` (a device or a
-        dtype); otherwise refused, since vLLM fixes both when it builds the engine. Values still
-        come back on ``cfg.device`` (the CPU), or where a call's ``device=`` says."""
+        """TransformerLens's ``to`` (``print_details`` only says whether it prints the move):
+        the model, where the engine already runs on ``device_or_dtype`` (a device or a dtype);
+        otherwise refused, since vLLM fixes both when it builds the engine. Values still come
+        back on ``cfg.device`` (the CPU), or where a call's ``device=`` says."""
         if isinstance(device_or_dtype, torch.dtype):
             dtype = self.engine.llm.model_config.dtype
             if device_or_dtype != dtype:

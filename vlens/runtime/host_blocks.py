@@ -216,9 +216,15 @@ def open_reference(reference: BlockReference, leases: dict[tuple[int, int], Tens
             leases[key] = torch.frombuffer(lease, dtype=torch.uint8, offset=HEADER_BYTES,
                                            count=size)
     dtype = getattr(torch, dtype_name)
-    extent = 0 if 0 in shape else 1 + sum((n - 1) * step for n, step in zip(shape, stride))
+    extent = elements_spanned(shape, stride)
     typed = leases[key][offset : offset + extent * dtype.itemsize].view(dtype)
     return typed.as_strided(shape, stride)
+
+
+def elements_spanned(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
+    """How many elements of its storage a tensor of ``shape`` and (non-negative) ``stride``
+    spans, from its first element to its last."""
+    return 0 if 0 in shape else 1 + sum((n - 1) * step for n, step in zip(shape, stride))
 
 
 def forget_stale() -> None:
