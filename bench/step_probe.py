@@ -8,9 +8,11 @@ with ``--every-layer``, against every layer's capture instead.
 Each worker's model runner is wrapped (through ``collective_rpc``) to time, per step, the wall
 time of ``execute_model`` and of vlens's work around the forward (``before_step``: steering
 terms, ``after_step``: kept rows), and the hand-back (``finish``); in the user's process, vLLM's
-``generate`` and the hand-back as seen from there. Written to ``OUT_DIR/step_probe.json`` and
-printed: for each workload and rank, the steps, their mean wall time, and vlens's share; with
-the call's total.
+``generate`` and the hand-back as seen from there. ``after_step`` is split further into its
+pieces (:data:`PHASES`: selecting the kept rows, the host stream's work; the rest is stacking
+them), and its four longest steps (a generation's prefill steps) are summed apart. Written to
+``OUT_DIR/step_probe.json`` and printed: for each workload and rank, the steps, their mean wall
+time, and vlens's share; with the call's total.
 """
 
 from __future__ import annotations
@@ -42,7 +44,36 @@ def install_timers(worker: Any) -> int:
     graph.before_step = timed("before", graph.before_step)
     graph.after_step = timed("after", graph.after_step)
     runtime.finish = timed("finish", runtime.finish)
+    install_phase_timers(times)
     return runtime.parallel.rank if runtime.parallel else 0
+
+
+#: the pieces of ``after_step`` timed on their own: (module, attribute), the key they count under
+PHASES = {
+    ("vlens.runtime.graph", "kept_rows"): "after: select the rows",
+    ("vlens.runtime.graph", "GraphSites._selected_rows"): "after: the rows of each name",
+    ("vlens.runtime.host_stream", "HostStream.begin_step"): "after: stream begin_step",
+    ("vlens.runtime.host_stream", "HostStream.write"): "after: stream write",
+    ("vlens.runtime.host_stream", "HostStream.end_step"): "after: stream end_step",
+}
+
+
+def install_phase_timers(times: dict[str, list[float]]) -> None:
+    """Wrap the pieces of :data:`PHASES` where they are looked up (module globals, class
+    attributes), once per process."""
+    import importlib
+
+    for (module_name, attribute), key in PHASES.items():
+        times[key] = []
+        owner: Any = importlib.import_module(module_name)
+        *path, name = attribute.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        function = getattr(owner, name)
+        original = getattr(function, "_probe_original", function)
+        wrapped = timed_into(times[key], original)
+        wrapped._probe_original = original  # type: ignore[attr-defined]
+        setattr(owner, name, wrapped)
 
 
 def timed_into(into: list[float], function: Any) -> Any:
@@ -62,7 +93,9 @@ def read_timers(worker: Any) -> dict[str, Any]:
     """In a worker: the step times since the last read (then cleared)."""
     times = worker._vlens_step_times
     summary = {
-        key: {"count": len(values), "total_s": sum(values)} for key, values in times.items()
+        key: {"count": len(values), "total_s": sum(values),
+              "largest_4_s": sum(sorted(values)[-4:])}
+        for key, values in times.items()
     }
     for values in times.values():
         values.clear()
@@ -158,6 +191,12 @@ def main(argv: list[str] | None = None) -> int:
                          f"vlens before {1e3 * times['before']['total_s'] / max(steps, 1):.3f} "
                          f"after {1e3 * times['after']['total_s'] / max(steps, 1):.3f} ms/step, "
                          f"finish {times['finish']['total_s']:.3f} s")
+                after = times["after"]
+                phases = "".join(
+                    f"; {key[7:]} {1e3 * times[key]['total_s'] / max(steps, 1):.3f} ms/step"
+                    for key in PHASES.values() if times[key]["count"]
+                )
+                line += f" (after: {1e3 * after['largest_4_s']:.1f} ms in its 4 longest steps{phases})"
             print(line, flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "step_probe.json").write_text(json.dumps(results, indent=1))

@@ -7,7 +7,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vlens.runtime.pitched_copy import Copy, Runs, pitched_copies
+from vlens.runtime.pitched_copy import (
+    Copy,
+    Runs,
+    _as_one_series,
+    _greedy_series,
+    pitched_copies,
+)
 
 ROW_BYTES = 8
 NO_LIMIT = 1 << 40
@@ -86,3 +92,21 @@ def test_no_pitch_exceeds_the_device_limit():
     assert all(copy.height == 6 for copy in copies)
     copies = check(decode(150, [3] * 2), [True] * 2, names=2, host_rows=301, max_pitch=limit)
     assert all(copy.height == 1 for copy in copies)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_one_series_worked_out_with_arrays_is_the_greedy_ones(seed):
+    """The array shortcut of a step whose runs make one series (every decode step of requests
+    at one position) says what the run-by-run way says, and steps aside where it says more."""
+    rng = np.random.default_rng(seed)
+    count, length, step = int(rng.integers(1, 6)), int(rng.integers(1, 4)), int(rng.integers(1, 9))
+    source = np.arange(count) * length
+    target = 5 + np.arange(count) * step
+    if seed % 2:  # one run out of line: several series
+        target[-1] += 1
+    runs = Runs(source, target, np.full(count, length))
+    greedy = _greedy_series(runs, max_step=8)
+    whole = _as_one_series(runs, max_step=8)
+    assert (whole is not None) == (len(greedy) == 1)
+    if whole is not None:
+        assert [whole] == greedy

@@ -47,7 +47,6 @@ from vlens.runtime.step_store import (
     kept_rows,
     row_index,
     segments_of,
-    stacked_rows,
 )
 from vlens.runtime.tensor_parallel import TensorParallel
 from vlens.steering import Steer, steered
@@ -206,6 +205,8 @@ class GraphSites:
         self._asked_for: tuple[int, Asked] | None = None  # (revision, what was asked then)
         #: the last step's (key, revision) and its kept rows' selection
         self._selection: tuple[tuple | None, slice | Tensor] = (None, slice(0))
+        #: views of the captured buffers' rows of that selection, by the names read together
+        self._row_views: dict[tuple[str, ...], list[Tensor]] = {}
 
     # ---- inside the graph --------------------------------------------------------------------
 
@@ -315,12 +316,15 @@ class GraphSites:
         if not keepers:
             return
         step = (layout.key, self.revision)
+        stream = self.call.stream
         if self._selection[0] == step:  # the last step's rows again
-            selection, segments = self._selection[1], segments_of(keepers)
+            selection = self._selection[1]
+            # whose rows they are: the host stream works it out for itself
+            segments = [] if stream is not None else segments_of(keepers)
         else:
             selection, segments = kept_rows(keepers, self.device)
             self._selection = (step, selection)
-        stream = self.call.stream
+            self._row_views = {}
         if stream is not None:
             stream.begin_step(keepers)
         for name in asked.logits:
@@ -330,12 +334,12 @@ class GraphSites:
             if name in self.kept_here:
                 self._keep([name], rows[None], segments)
         for shape_names in asked.by_shape:
-            buffers = [self.captured[name] for name in shape_names]
+            rows = self._selected_rows(shape_names, selection)
             if stream is not None and self.device.type == "cpu":
                 # scattered before the next step: views (or gathers) of the buffers do
-                self._keep(shape_names, [buffer[selection] for buffer in buffers], segments)
-            else:
-                self._keep(shape_names, stacked_rows(buffers, selection), segments)
+                self._keep(shape_names, rows, segments)
+            else:  # side by side in a tensor of their own: one copy for all
+                self._keep(shape_names, torch.stack(rows), segments)
         if stream is not None:
             stream.end_step()
 
@@ -359,6 +363,16 @@ class GraphSites:
             shapes = tuple(tuple(names) for names in by_shape.values())
             self._asked_for = (self.revision, Asked(kept, positional, tuple(logits), shapes))
         return self._asked_for[1]
+
+    def _selected_rows(self, names: tuple[str, ...], selection: slice | Tensor) -> list[Tensor]:
+        """The step's selected rows of each of ``names``: views of their buffers where the
+        rows are a slice, made once while the selection stands (decode steps of an unchanged
+        batch: a tensor operation fewer per name and step), else gathers."""
+        if not isinstance(selection, slice):
+            return [self.captured[name][selection] for name in names]
+        if names not in self._row_views:
+            self._row_views[names] = [self.captured[name][selection] for name in names]
+        return self._row_views[names]
 
     def _keep(self, names: Sequence[str], rows: Sequence[Tensor], segments: list[Segment]) -> None:
         """One step's ``rows[i]`` of ``names[i]``, to the host or into the call's store."""

@@ -39,7 +39,7 @@ from vlens.runtime import host_blocks
 from vlens.runtime.layout import RequestRows
 from vlens.runtime.messages import PaddedRows, Span
 from vlens.runtime.pitched_copy import Runs, copy_engines, pitched_copies
-from vlens.runtime.step_store import Segment, layout_spans, row_index
+from vlens.runtime.step_store import StepRuns, layout_spans, row_index
 
 #: Steps whose rows may be on their way to the host at once (GPU): the oldest is waited for
 #: beyond this.
@@ -77,7 +77,7 @@ class HostStream:
         self.width = 0
         self.host: dict[str, Tensor] = {}  # each name's rows: a view of its group's
         self._groups: dict[tuple[str, ...], Tensor] = {}  # names -> their [names, rows, ...]
-        self.steps: list[list[Segment]] = []
+        self.steps: list[StepRuns] = []  # each step's kept rows, by request index
         self._targets = torch.empty(0, dtype=torch.long)  # the step's rows' host rows (CPU)
         self._runs: Runs | None = None  # the same as runs of rows (GPU)
         self._engines = copy_engines(device) if device.type == "cuda" else None
@@ -103,21 +103,23 @@ class HostStream:
         """Start a step whose kept requests are ``keepers``: work out where each of their rows
         goes in the flattened ``[batch * width]`` rows. A row past a request's announced
         positions (with asynchronous scheduling vLLM runs one more forward for a request that
-        has just finished) is not part of its cache: it goes nowhere (the spare last row)."""
-        starts = np.empty(len(keepers), dtype=np.int64)  # each request's first target row
-        lengths = np.empty(len(keepers), dtype=np.int64)
-        room = np.empty(len(keepers), dtype=np.int64)  # how many of its rows it holds
-        segments = []
-        for at, request in enumerate(keepers):
-            slot = self.slots[request.tag]
-            starts[at] = slot.index * self.width + request.first_position
-            lengths[at] = request.stop - request.start
-            room[at] = slot.positions - request.first_position
-            held = int(min(max(room[at], 0), lengths[at]))
-            segments.append(Segment(request.tag, held, request.first_position))
-        self.steps.append(segments)
-        within = row_index(np.zeros_like(starts), lengths).numpy()  # offset in its request
-        targets = np.repeat(starts, lengths) + within
+        has just finished) is not part of its cache: it goes nowhere (the spare last row).
+        Array operations throughout: a decode step of 256 requests runs this every few
+        milliseconds."""
+        slots = self.slots
+        table = np.array(
+            [
+                (slot.index, slot.positions, request.first_position, request.stop - request.start)
+                for request in keepers
+                for slot in (slots[request.tag],)
+            ],
+            dtype=np.int64,
+        ).reshape(len(keepers), 4)
+        index, positions, first, lengths = table.T
+        room = positions - first  # how many of its rows its slot holds
+        self.steps.append(StepRuns(index, np.clip(room, 0, lengths), first))
+        within = row_index(np.zeros_like(index), lengths).numpy()  # offset in its request
+        targets = np.repeat(index * self.width + first, lengths) + within
         kept = within < np.repeat(room, lengths)
         if self._side is None:
             targets[~kept] = self.batch * self.width
@@ -161,12 +163,13 @@ class HostStream:
         index_of = {tag: self.slots[tag].index for tag in self.slots}
         taken: dict[str, PaddedRows] = {}
         layouts: dict[frozenset[int], tuple[int, list[list[Span]]]] = {}  # names share steps
+        runs = StepRuns.joined(self.steps)
         for name, host in self.host.items():
             keepers = frozenset(index_of[tag] for tag in tags if name in keeps.get(tag, ()))
             if not keepers:
                 continue
             if keepers not in layouts:
-                layouts[keepers] = layout_spans(self.steps, index_of, keepers, self.batch)
+                layouts[keepers] = layout_spans(runs, keepers, self.batch)
             width, spans = layouts[keepers]
             padded = host[:-1].view(self.batch, self.width, *host.shape[1:])
             _zero_outside(padded, spans)

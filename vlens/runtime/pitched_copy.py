@@ -84,22 +84,18 @@ def pitched_copies(
     """The fewest copies (of the two ways) moving ``runs`` of ``names`` names from a step's
     ``[names, step_rows, ...]`` to the host's ``[names, host_rows, ...]``. No pitch exceeds
     ``max_pitch`` bytes (the device's limit)."""
-    per_run: list[Copy] = []
-    if names == 1 or host_rows * row_bytes <= max_pitch:  # one name: its pitch goes unused
+    by_run = names == 1 or host_rows * row_bytes <= max_pitch  # one name: its pitch goes unused
+    series = [] if by_run and len(runs) <= names else _series(runs, max_pitch // row_bytes)
+    if by_run and (not series or len(runs) <= names * len(series)):
         host_pitch = host_rows * row_bytes if names > 1 else 0
         step_pitch = step_rows * row_bytes if names > 1 else 0
-        per_run = [
+        return [
             Copy(target * row_bytes, max(host_pitch, length * row_bytes), source * row_bytes,
                  max(step_pitch, length * row_bytes), length * row_bytes, names)
             for source, target, length in zip(
                 runs.source.tolist(), runs.target.tolist(), runs.length.tolist()
             )
         ]
-        if len(runs) <= names:  # every way takes at least a copy per name
-            return per_run
-    series = _series(runs, max_pitch // row_bytes)
-    if per_run and len(per_run) <= names * len(series):
-        return per_run
     return [
         Copy((name * host_rows + s.target) * row_bytes, s.step * row_bytes,
              (name * step_rows + s.source) * row_bytes, s.length * row_bytes,
@@ -111,6 +107,12 @@ def pitched_copies(
 
 def _series(runs: Runs, max_step: int) -> list[Series]:
     """``runs`` gathered into series, greedily in the step's order."""
+    whole = _as_one_series(runs, max_step)  # a decode step of requests at one position
+    return [whole] if whole is not None else _greedy_series(runs, max_step)
+
+
+def _greedy_series(runs: Runs, max_step: int) -> list[Series]:
+    """:func:`_series`, run after run."""
     source, target, length = runs.source.tolist(), runs.target.tolist(), runs.length.tolist()
     series: list[Series] = []
     first = 0
@@ -132,10 +134,28 @@ def _series(runs: Runs, max_step: int) -> list[Series]:
     return series
 
 
+def _as_one_series(runs: Runs, max_step: int) -> Series | None:
+    """All of ``runs`` as the one series :func:`_greedy_series` makes of them, worked out with
+    array operations; None where it makes several (or none)."""
+    if len(runs) == 0:
+        return None
+    size = int(runs.length[0])
+    distances = np.diff(runs.target)
+    step = int(distances[0]) if len(distances) else size
+    if (
+        (runs.length == size).all()
+        and (np.diff(runs.source) == size).all()
+        and (distances == step).all()
+        and size <= step <= max_step
+    ):
+        return Series(int(runs.source[0]), int(runs.target[0]), size, step, len(runs))
+    return None
+
+
 class CopyEngines:
     """The CUDA runtime's pitched copy, called on a stream torch made."""
 
-    def __init__(self, runtime: ctypes.CDLL, device: torch.device) -> None:
+    def __init__(self, runtime: ctypes.PyDLL, device: torch.device) -> None:
         self._copy = runtime.cudaMemcpy2DAsync
         self._copy.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p,
                                ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int,
@@ -175,8 +195,10 @@ def copy_engines(device: torch.device) -> CopyEngines | None:
 
 
 @functools.cache
-def _cuda_runtime() -> ctypes.CDLL | None:
-    """The CUDA runtime library this process has loaded (torch's own), or None."""
+def _cuda_runtime() -> ctypes.PyDLL | None:
+    """The CUDA runtime library this process has loaded (torch's own), or None. Its calls keep
+    the GIL (``PyDLL``): each only queues a copy into page-locked memory, and a step makes
+    dozens of them, each of which would otherwise hand the GIL to vLLM's other threads."""
     if not torch.cuda.is_available():
         return None
     torch.cuda.init()
@@ -187,7 +209,7 @@ def _cuda_runtime() -> ctypes.CDLL | None:
         return None
     for path in sorted(paths):
         try:
-            return ctypes.CDLL(path)
+            return ctypes.PyDLL(path)
         except OSError:
             continue
     return None

@@ -32,6 +32,22 @@ class Segment(NamedTuple):
     first_position: int
 
 
+class StepRuns(NamedTuple):
+    """Steps' kept rows as arrays, in step order: ``length[k]`` rows of request index
+    ``request[k]`` from position ``first[k]`` on (:class:`Segment` by index, for many steps)."""
+
+    request: np.ndarray
+    length: np.ndarray
+    first: np.ndarray
+
+    @classmethod
+    def joined(cls, steps: Sequence[StepRuns]) -> StepRuns:
+        if not steps:
+            empty = np.empty(0, dtype=np.int64)
+            return cls(empty, empty, empty)
+        return cls(*(np.concatenate(part) for part in zip(*steps)))
+
+
 class StepStore:
     """Each name's kept rows, step after step, with whose rows they are."""
 
@@ -164,6 +180,19 @@ class _HeldRows:
                 lengths += step_lengths
                 firsts += step_firsts
         request, length, first = (np.array(v, dtype=np.int64) for v in (requests, lengths, firsts))
+        return cls.of_runs(request, length, first, keepers, batch)
+
+    @classmethod
+    def of_runs(
+        cls,
+        request: np.ndarray,
+        length: np.ndarray,
+        first: np.ndarray,
+        keepers: frozenset[int],
+        batch: int,
+    ) -> _HeldRows:
+        """The same from the steps' segments joined in step order, as arrays: ``length[k]``
+        rows of request ``request[k]`` (its index, ``batch`` for none) from ``first[k]`` on."""
         start = np.cumsum(length) - length
         kept = np.zeros(batch + 1, dtype=bool)
         kept[list(keepers)] = True
@@ -183,14 +212,11 @@ class _HeldRows:
 
 
 def layout_spans(
-    steps: Sequence[Sequence[Segment]],
-    index_of: Mapping[str, int],
-    keepers: frozenset[int],
-    batch: int,
+    runs: StepRuns, keepers: frozenset[int], batch: int
 ) -> tuple[int, list[list[Span]]]:
     """The padded width and each request's runs of positions that the ``keepers``' rows of these
     steps fill (rows a later step replaced left out), as :class:`StepStore` lays them out."""
-    held = _HeldRows.of(steps, index_of, keepers, batch)
+    held = _HeldRows.of_runs(runs.request, runs.length, runs.first, keepers, batch)
     return held.width, held.spans(batch)
 
 
@@ -284,12 +310,6 @@ def copy_rows(value: Tensor, selection: slice | Tensor) -> Tensor:
     if isinstance(selection, slice):
         return value[selection].clone()
     return value.index_select(0, selection)
-
-
-def stacked_rows(values: Sequence[Tensor], selection: slice | Tensor) -> Tensor:
-    """The selected rows of several whole steps' values of one shape, side by side in a tensor
-    of their own, ``[len(values), rows, ...]``: one copy for all where the rows are a slice."""
-    return torch.stack([value[selection] for value in values])
 
 
 def add_chunk(chunks: list[Chunk], chunk: Chunk) -> None:
