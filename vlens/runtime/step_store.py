@@ -179,20 +179,14 @@ class _HeldRows:
                 requests += [index_of.get(tag, batch) for tag in tags]
                 lengths += step_lengths
                 firsts += step_firsts
-        request, length, first = (np.array(v, dtype=np.int64) for v in (requests, lengths, firsts))
-        return cls.of_runs(request, length, first, keepers, batch)
+        runs = StepRuns(*(np.array(v, dtype=np.int64) for v in (requests, lengths, firsts)))
+        return cls.of_runs(runs, keepers, batch)
 
     @classmethod
-    def of_runs(
-        cls,
-        request: np.ndarray,
-        length: np.ndarray,
-        first: np.ndarray,
-        keepers: frozenset[int],
-        batch: int,
-    ) -> _HeldRows:
-        """The same from the steps' segments joined in step order, as arrays: ``length[k]``
-        rows of request ``request[k]`` (its index, ``batch`` for none) from ``first[k]`` on."""
+    def of_runs(cls, runs: StepRuns, keepers: frozenset[int], batch: int) -> _HeldRows:
+        """The same from the steps' segments joined in step order (a request index of
+        ``batch``: none of the call's)."""
+        request, length, first = runs
         start = np.cumsum(length) - length
         kept = np.zeros(batch + 1, dtype=bool)
         kept[list(keepers)] = True
@@ -216,7 +210,7 @@ def layout_spans(
 ) -> tuple[int, list[list[Span]]]:
     """The padded width and each request's runs of positions that the ``keepers``' rows of these
     steps fill (rows a later step replaced left out), as :class:`StepStore` lays them out."""
-    held = _HeldRows.of_runs(runs.request, runs.length, runs.first, keepers, batch)
+    held = _HeldRows.of_runs(runs, keepers, batch)
     return held.width, held.spans(batch)
 
 
