@@ -50,11 +50,11 @@ def install_timers(worker: Any) -> int:
 
 #: the pieces of ``after_step`` timed on their own: (module, attribute), the key they count under
 PHASES = {
-    ("vlens.runtime.graph", "kept_rows"): "after: select the rows",
-    ("vlens.runtime.graph", "GraphSites._selected_rows"): "after: the rows of each name",
-    ("vlens.runtime.host_stream", "HostStream.begin_step"): "after: stream begin_step",
-    ("vlens.runtime.host_stream", "HostStream.write"): "after: stream write",
-    ("vlens.runtime.host_stream", "HostStream.end_step"): "after: stream end_step",
+    ("vlens.runtime.graph", "kept_rows"): "select the rows",
+    ("vlens.runtime.graph", "GraphSites._selected_rows"): "the rows of each name",
+    ("vlens.runtime.host_stream", "HostStream.begin_step"): "stream begin_step",
+    ("vlens.runtime.host_stream", "HostStream.write"): "stream write",
+    ("vlens.runtime.host_stream", "HostStream.end_step"): "stream end_step",
 }
 
 
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
                          f"finish {times['finish']['total_s']:.3f} s")
                 after = times["after"]
                 phases = "".join(
-                    f"; {key[7:]} {1e3 * times[key]['total_s'] / max(steps, 1):.3f} ms/step"
+                    f"; {key} {1e3 * times[key]['total_s'] / max(steps, 1):.3f} ms/step"
                     for key in PHASES.values() if times[key]["count"]
                 )
                 line += f" (after: {1e3 * after['largest_4_s']:.1f} ms in its 4 longest steps{phases})"

@@ -85,23 +85,32 @@ def pitched_copies(
     ``[names, step_rows, ...]`` to the host's ``[names, host_rows, ...]``. No pitch exceeds
     ``max_pitch`` bytes (the device's limit)."""
     by_run = names == 1 or host_rows * row_bytes <= max_pitch  # one name: its pitch goes unused
-    series = [] if by_run and len(runs) <= names else _series(runs, max_pitch // row_bytes)
-    if by_run and (not series or len(runs) <= names * len(series)):
-        host_pitch = host_rows * row_bytes if names > 1 else 0
-        step_pitch = step_rows * row_bytes if names > 1 else 0
-        return [
-            Copy(target * row_bytes, max(host_pitch, length * row_bytes), source * row_bytes,
-                 max(step_pitch, length * row_bytes), length * row_bytes, names)
-            for source, target, length in zip(
-                runs.source.tolist(), runs.target.tolist(), runs.length.tolist()
-            )
-        ]
+    if by_run and len(runs) <= names:  # every way takes at least a copy per name
+        return _copies_per_run(runs, names, step_rows, host_rows, row_bytes)
+    series = _series(runs, max_pitch // row_bytes)
+    if by_run and len(runs) <= names * len(series):
+        return _copies_per_run(runs, names, step_rows, host_rows, row_bytes)
     return [
         Copy((name * host_rows + s.target) * row_bytes, s.step * row_bytes,
              (name * step_rows + s.source) * row_bytes, s.length * row_bytes,
              s.length * row_bytes, s.count)
         for name in range(names)
         for s in series
+    ]
+
+
+def _copies_per_run(
+    runs: Runs, names: int, step_rows: int, host_rows: int, row_bytes: int
+) -> list[Copy]:
+    """One copy per run, its pieces the run of every name (the names' stride apart)."""
+    host_pitch = host_rows * row_bytes if names > 1 else 0
+    step_pitch = step_rows * row_bytes if names > 1 else 0
+    return [
+        Copy(target * row_bytes, max(host_pitch, length * row_bytes), source * row_bytes,
+             max(step_pitch, length * row_bytes), length * row_bytes, names)
+        for source, target, length in zip(
+            runs.source.tolist(), runs.target.tolist(), runs.length.tolist()
+        )
     ]
 
 
