@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs vlens and what it needs into ./.venv on a fresh CPU machine (Linux x86_64, Python 3.10+).
-# GPU machines: see README, "Install on a GPU".
+# GPU machines: see README.md, "Install".
 set -euo pipefail
 cd "$(dirname "$0")"
 python3 -m venv .venv

@@ -13,7 +13,7 @@ metric is the notebook's normalised logit difference at the last position,
 ``(diff(patched) - diff(corrupted)) / (diff(clean) - diff(corrupted))``, each backend's clean and
 corrupted differences from its own forward.
 
-Both models read the same float32 SmolLM2 folder (:func:`vlens.embedded.smollm2_path`); the
+Both models read the same float32 SmolLM2 folder (:func:`vlens.testing.embedded.smollm2_path`); the
 tokens are the bridge's ``to_tokens(prompts, prepend_bos=True)``, fed as the same tensor to
 both. Each side's clean cache is made before timing (as a user would). Timed, alternating,
 ``--reps`` times each, best counts:
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from vlens import HookedVLLM
     from vlens import patching as vlens_patching
-    from vlens.embedded import smollm2_path
+    from vlens.testing.embedded import smollm2_path
 
     path = str(smollm2_path())
     bridge = TransformerBridge.boot_transformers(path, dtype=torch.float32)

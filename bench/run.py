@@ -1,8 +1,9 @@
-"""Issue 8: what vlens costs against plain vLLM, measured side by side in ONE run.
+"""What vlens costs against plain vLLM, measured side by side in ONE run.
 
     python bench/run.py --preset gpu --out OUT_DIR     # H200: Qwen3-8B shape, dummy bf16 weights
     python bench/run.py --preset gpu-llama --out OUT_DIR --tensor-parallel-size 2   # Llama-3-8B
     python bench/run.py --preset cpu --out OUT_DIR     # this CPU: SmolLM2-135M, fp32
+    python bench/run.py --preset cpu-qwen3 --out OUT_DIR   # this CPU: a random ~0.3 B Qwen3, fp32
 
 One run measures, in this order, each in its own process (an engine's memory is only ever given
 back whole), the same prompts (random token ids, distinct, so no prefix is shared) and greedy
@@ -24,10 +25,17 @@ decoding:
   with a different vector per prompt (``Steer`` values).
 - ``hf``: HuggingFace transformers with forward hooks, prefill only (batches of ``hf_batch``):
   no hook, one layer's residual cloned, every layer's.
+- ``transformer_lens``: TransformerLens's ``TransformerBridge`` on HuggingFace (compatibility
+  mode, no weight processing) doing the same caches and the same steered generation.
+
+``--executor mp`` gives every engine vLLM's multiprocessing executor (on one GPU its worker is
+then a process of its own, as every rank is under tensor parallelism).
 
 Two tiers: *prefill* (each prompt once, one token sampled; tokens/s = prompt tokens) and
-*generate* (``new_tokens`` per prompt; tokens/s = generated tokens). Every ratio is against
-plain eager vLLM of the same tier from the same engine, and written with the exact command to
+*generate* (``new_tokens`` per prompt; tokens/s = generated tokens). Every workload's tokens/s
+is divided by plain eager vLLM's (the eager engine's *plain*) and by plain compiled vLLM's (the
+``compiled`` worker) of the same tier in the same run; the eager tier reads against the first,
+the graph tier against the second. Both ratios are written with the exact command to
 ``OUT_DIR/results.json`` and ``OUT_DIR/results.md``. ``--profile`` adds cProfile listings of the
 vlens workloads (shorter generations) to ``OUT_DIR/profile.txt``.
 """
@@ -71,8 +79,7 @@ GPU_PRESET: dict[str, Any] = {
 
 PRESETS: dict[str, dict[str, Any]] = {
     "gpu": GPU_PRESET,
-    # Llama-3-8B's shape: the two-GPU runs' model while compiled TP=2 refuses QK-norm models on
-    # CUDA (see the README's tensor parallelism section)
+    # Llama-3-8B's shape: a second model shape for the two-GPU runs
     "gpu-llama": {**GPU_PRESET, "model": "dummy-llama3-8b", "layer": 16},
     "cpu": {
         "model": "smollm2",
@@ -185,7 +192,7 @@ def random_checkpoint(config: dict[str, Any], folder: Path) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from vlens.testing import tiny_model
+    from vlens.testing.tiny import tiny_model
 
     if not (folder / "model.safetensors").exists():
         folder.mkdir(parents=True, exist_ok=True)
@@ -203,10 +210,10 @@ def model_folder(preset: dict[str, Any], work: Path) -> Path:
     """The checkpoint folder: SmolLM2 (CPU), or an 8B-shaped config (:data:`DUMMY_SHAPES`) with
     the tiny checkpoint's tokenizer of its family (vlens loads a tokenizer; vLLM skips it and
     gets token ids)."""
-    from vlens.testing import tiny_model
+    from vlens.testing.tiny import tiny_model
 
     if preset["model"] == "smollm2":
-        from vlens.embedded import smollm2_path
+        from vlens.testing.embedded import smollm2_path
 
         return smollm2_path()
     if preset["model"] == "tiny-qwen3":
@@ -257,7 +264,7 @@ class Timer:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             seconds = time.perf_counter() - start
-        except Exception as error:  # noqa: BLE001 - e.g. out of memory: recorded, the rest runs
+        except Exception as error:
             print(f"[bench] {workload} {tier} failed: {error!r}", flush=True)
             self.results.append({"workload": workload, "tier": tier, "error": repr(error)})
             self.save()

@@ -126,7 +126,7 @@ def main() -> int:
             args.model = str(shaped_checkpoint(args.shape, Path(scratch)))
             common += ["--load-format", "dummy"]
         elif args.model is None:
-            from vlens.embedded import smollm2_path
+            from vlens.testing.embedded import smollm2_path
 
             args.model = str(smollm2_path())
         config = AutoConfig.from_pretrained(args.model)

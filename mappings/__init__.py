@@ -1,6 +1,6 @@
 """One mapping file per architecture; this package finds them and the one that serves a checkpoint.
 
-Every module of this package with a ``MAPPING`` (an :class:`~vlens.mapping.ArchitectureMapping`)
+Every module of this package with a ``MAPPING`` (an :class:`~vlens.names.mapping.ArchitectureMapping`)
 is a mapping file: adding an architecture is adding one file here, and nothing else lists them.
 """
 
@@ -12,7 +12,7 @@ from importlib import import_module
 
 from transformers import PretrainedConfig
 
-from vlens.mapping import ArchitectureMapping
+from vlens.names.mapping import ArchitectureMapping
 
 #: What the names of HuggingFace's causal-LM classes end with (stripped for a file name).
 CLASS_SUFFIXES = ("ForCausalLM", "LMHeadModel")

@@ -12,7 +12,7 @@ vLLM runs every MoE block here the same way::
 
 ``mlp.hook_expert_weights`` / ``mlp.hook_expert_indices`` (``[pos, top_k]``) are the routing vLLM
 applies, recomputed from the router logits by the formula vLLM's CPU router uses for the family
-(:class:`SoftmaxTopK` or DeepSeek's :class:`~vlens.derived.GroupedTopK`), best expert first. No
+(:class:`SoftmaxTopK` or DeepSeek's :class:`~vlens.names.derived.GroupedTopK`), best expert first. No
 single routed expert's activations exist: :class:`RoutedExpertRefusal` says so.
 """
 
@@ -27,9 +27,10 @@ from typing import Any
 from jaxtyping import Float
 from torch import Tensor
 
-from vlens.derived import Batch, GroupedTopK, SameForEveryLayer
-from vlens.locations import SiteCall
-from vlens.mapping import (
+from vlens.mappings.llama import BLOCK, windowed_name_error
+from vlens.names.checkpoint import WeightNames
+from vlens.names.derived import Batch, GroupedTopK, SameForEveryLayer
+from vlens.names.mapping import (
     ArchitectureMapping,
     HookSpec,
     Spec,
@@ -38,9 +39,8 @@ from vlens.mapping import (
     expert_weights,
     leaving,
 )
-from vlens.mappings.llama import BLOCK, windowed_name_error
-from vlens.readers import Reader
-from vlens.weights import WeightNames
+from vlens.runtime.locations import SiteCall
+from vlens.runtime.readers import Reader
 
 #: The dense gated MLP's names, which a MoE layer replaces.
 DENSE_MLP_NAMES = tuple(f"{BLOCK}.mlp.hook_{n}" for n in ("pre", "pre_linear", "post"))
@@ -122,7 +122,7 @@ def with_experts(
 
 @dataclass(frozen=True)
 class MoeLayers:
-    """Which ``{layer}`` names exist at a layer (:class:`~vlens.mapping.UnevenLayersMapping`'s
+    """Which ``{layer}`` names exist at a layer (:class:`~vlens.names.mapping.UnevenLayersMapping`'s
     ``present``) where some layers have a dense MLP and the others a MoE block:
     ``is_moe_layer(config, layer)`` is vLLM's rule; ``moe_names`` exist on MoE layers only, the
     dense MLP's names on the other layers only."""
@@ -141,7 +141,7 @@ class MoeLayers:
 def uneven_member(
     family: ArchitectureMapping, *architectures: str, present: MoeLayers, **differences: Any
 ) -> UnevenLayersMapping:
-    """:meth:`~vlens.mapping.ArchitectureMapping.member` for a member whose layers are not all
+    """:meth:`~vlens.names.mapping.ArchitectureMapping.member` for a member whose layers are not all
     alike (see :class:`MoeLayers`)."""
     member = family.member(*architectures, **differences)
     fields = {field.name: getattr(member, field.name) for field in dataclasses.fields(member)}
@@ -192,10 +192,10 @@ def moe_member(
 ) -> ArchitectureMapping:
     """A dense family's member whose MLPs are mixtures of experts (``moe_names`` on MoE layers):
     the family's weights without the MLP's, the graph tier (every name reads the same traced as
-    eager: ``tests/test_compiled.py``), the family's tensor parallelism unless
+    eager: ``tests/engine/test_compiled.py``), the family's tensor parallelism unless
     ``tensor_parallel`` is False (vLLM reduces a MoE block's output over ranks inside the block,
     so the routing names and ``hook_mlp_out`` are whole on every rank; the attention's split
-    values are the family's: ``tests/test_tensor_parallel.py``), a routed
+    values are the family's: ``tests/engine/test_tensor_parallel.py``), a routed
     expert's names refused (and the family's windowed names), HuggingFace's reference from
     ``parity/hf_moe.py``. With ``is_moe_layer`` only the layers it picks are MoE layers
     (:class:`MoeLayers`); the others keep the dense MLP."""
@@ -225,11 +225,11 @@ def moe_weights(weights: WeightNames) -> WeightNames:
 
 
 #: Why the parity suite does not compare these MoE families with TransformerLens's bridge
-#: (``tests/test_moe.py`` compares every other name with it).
+#: (``tests/engine/test_moe.py`` compares every other name with it).
 BRIDGE_ROUTING_LAYOUT = (
     "TransformerLens's bridge boots, but its routing hooks (mlp.hook_expert_weights, "
     "mlp.hook_expert_indices) hold [tokens, ...] without a batch axis, and its expert weights "
     "scattered over all experts ([tokens, n_experts]), where vlens's routing names are "
-    "DeepSeek's ([pos, top_k], best expert first); tests/test_moe.py compares every other name "
+    "DeepSeek's ([pos, top_k], best expert first); tests/engine/test_moe.py compares every other name "
     "with the bridge"
 )

@@ -9,7 +9,7 @@ rewritten to split it), gate and up projections into ``gate_up_proj`` with the a
 (``act_fn``), RMSNorms for its ``RMSNorm``. HuggingFace's attention calls the attention
 interface, which hands the rotated q and k to vLLM's ``attn`` through its ``forward`` method, so
 torch hooks on ``attn`` never fire. Every HuggingFace module runs on a batch of one,
-``[1, tokens, ...]``; every read goes through :class:`~vlens.readers.BatchOfOne`.
+``[1, tokens, ...]``; every read goes through :class:`~vlens.runtime.readers.BatchOfOne`.
 
 Which HuggingFace module is which TransformerLens component comes from TransformerLens's adapter
 (``component_mapping``: embed, blocks, ln1/ln2 or the post-norms ln1_post/ln2_post, attn with
@@ -35,7 +35,7 @@ q/k/v or a joint qkv and o, q_norm/k_norm, mlp with in/out and gate, ln_final), 
 
 Rotated q and k are computed, not read: the attention interface's arguments are the only place
 they exist, and hooks cannot reach it. Scores, patterns and per-head results can be read, and
-no hook function runs on them (:class:`~vlens.mapping.NoExplicitAttention`). A config with a
+no hook function runs on them (:class:`~vlens.names.mapping.NoExplicitAttention`). A config with a
 sliding window shorter than its context offers no scores or patterns (as in ``llama.py``).
 """
 
@@ -54,8 +54,10 @@ from einops import rearrange
 from torch import Tensor, nn
 from transformers import PretrainedConfig
 
-from vlens import derived, readers
-from vlens.mapping import (
+from vlens.mappings._tiny import architecture_of
+from vlens.mappings.llama import sliding_window, windowed_name_error
+from vlens.names import derived
+from vlens.names.mapping import (
     ArchitectureMapping,
     Argument,
     DerivedSpec,
@@ -63,12 +65,13 @@ from vlens.mapping import (
     NoExplicitAttention,
     Site,
     Spec,
+    attention_dimensions,
     attention_pattern,
     attention_scores,
     head_results,
+    logits,
 )
-from vlens.mappings.llama import sliding_window, windowed_name_error
-from vlens.testing import architecture_of
+from vlens.runtime import readers
 
 BLOCK = "blocks.{layer}"
 #: Where vLLM's Transformers backend puts HuggingFace's decoder model.
@@ -236,10 +239,6 @@ def heads_copied(of: HookSpec, heads: int, label: str = "head") -> HookSpec:
     return HookSpec(of.site, readers.BatchOfOne(copies), f"pos {label} d_model")
 
 
-def logits(of: HookSpec) -> HookSpec:
-    return HookSpec(of.site, readers.LogitsOf(of.read), "pos d_vocab")
-
-
 # ---- rotary, computed in the user's process ------------------------------------------------------
 
 
@@ -328,14 +327,6 @@ def rotated(source: str, config: PretrainedConfig, d_head: int, heads: str = "he
 # ---- the names --------------------------------------------------------------------------------
 
 
-def dimensions(config: PretrainedConfig) -> tuple[int, int, int]:
-    """Query heads, key/value heads and head size."""
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    d_head = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return heads, kv_heads, d_head
-
-
 def norm_eps(config: PretrainedConfig, details: Details) -> float:
     return getattr(config, details.eps) if isinstance(details.eps, str) else details.eps
 
@@ -344,7 +335,7 @@ def hook_specs_for(config: PretrainedConfig, details: Details) -> dict[str, Spec
     """Every name of ``config``'s architecture on vLLM's Transformers backend, with ``{layer}``."""
     layout = layout_of(config)
     eps = norm_eps(config, details)
-    heads, kv_heads, d_head = dimensions(config)
+    heads, kv_heads, d_head = attention_dimensions(config)
     base = VLLM_BASE
     layer = f"{base}.{layout.layers}.{{layer}}"
     attn, mlp = f"{layer}.{layout.attn}", f"{layer}.{layout.mlp}"
@@ -402,7 +393,7 @@ def norm_specs(label: str, of: HookSpec, kind: str, eps: float) -> dict[str, Spe
 def attention_specs(
     config: PretrainedConfig, layout: Layout, details: Details, attn: str, scale: float
 ) -> dict[str, Spec]:
-    heads, kv_heads, d_head = dimensions(config)
+    heads, kv_heads, d_head = attention_dimensions(config)
     q_end, k_end = heads * d_head, (heads + kv_heads) * d_head
     v_end = k_end + kv_heads * d_head
     if layout.qkv is not None:
@@ -466,7 +457,7 @@ def transformers_backend_mapping(
     *architectures: str, details: Details, **fields: Any
 ) -> ArchitectureMapping:
     """The mapping of ``architectures`` as vLLM's Transformers backend runs them; ``fields``:
-    the rest of :class:`~vlens.mapping.ArchitectureMapping` (``tiny_configs``, ...)."""
+    the rest of :class:`~vlens.names.mapping.ArchitectureMapping` (``tiny_configs``, ...)."""
     DETAILS.update(dict.fromkeys(architectures, details))
     return ArchitectureMapping(
         architectures=architectures,

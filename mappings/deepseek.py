@@ -57,7 +57,7 @@ MLP: layers below ``first_k_dense_replace`` have Llama's gated MLP (``mlp.hook_p
     return shared + routed                   # hook_mlp_out; mlp.hook_routed_out = routed
 
 ``mlp.hook_expert_weights`` / ``mlp.hook_expert_indices`` (``[pos, top_k]``) are the routing
-vLLM applies, recomputed from the router logits by its formula (``vlens.derived.GroupedTopK``:
+vLLM applies, recomputed from the router logits by its formula (``vlens.names.derived.GroupedTopK``:
 softmax or sigmoid scores, ``e_score_correction_bias`` for selection only, group-limited top-k,
 ``norm_topk_prob``, ``routed_scaling_factor``), best selection score first, so that
 ``mlp_out = shared_out + Σ_k expert_weights[k] · expert[expert_indices[k]](x)``. A single routed
@@ -74,8 +74,12 @@ import math
 
 from transformers import DeepseekV2Config, DeepseekV3Config, PretrainedConfig
 
-from vlens.derived import GroupedTopK
-from vlens.mapping import (
+from vlens.mappings._moe import ROUTING_NAMES, MoeLayers, RoutedExpertRefusal, routing_specs
+from vlens.mappings._tiny import MAX_POSITIONS, shared_settings
+from vlens.mappings.llama import ATTN, BLOCK, LAYER, MLP
+from vlens.names.checkpoint import WeightNames
+from vlens.names.derived import GroupedTopK
+from vlens.names.mapping import (
     Argument,
     HookSpec,
     NoExplicitAttention,
@@ -96,10 +100,6 @@ from vlens.mapping import (
     rms_scale,
     squeezed,
 )
-from vlens.mappings._moe import ROUTING_NAMES, MoeLayers, RoutedExpertRefusal, routing_specs
-from vlens.mappings.llama import ATTN, BLOCK, LAYER, MLP
-from vlens.testing import MAX_POSITIONS, shared_settings
-from vlens.weights import WeightNames
 
 MLA = f"{ATTN}.mla_attn.mla_attn"
 #: Why hooks on scores, patterns and per-head results are refused here (see ``ExplicitAttention``).

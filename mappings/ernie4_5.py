@@ -10,7 +10,7 @@ HuggingFace reference rotates with Ernie's own ``apply_rotary_pos_emb`` (``parit
 from transformers import Ernie4_5Config, PretrainedConfig
 
 from vlens.mappings import llama
-from vlens.testing import rotary_dims
+from vlens.mappings._tiny import rotary_dims
 
 
 def tiny_config() -> PretrainedConfig:

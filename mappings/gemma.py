@@ -17,10 +17,10 @@ import dataclasses
 
 from transformers import GemmaConfig, PretrainedConfig
 
-from vlens.mapping import Spec
 from vlens.mappings import llama
+from vlens.mappings._tiny import rotary_dims
 from vlens.mappings.gemma2 import scaled_embedding
-from vlens.testing import rotary_dims
+from vlens.names.mapping import Spec
 
 
 def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:

@@ -24,7 +24,7 @@ the stream, after its post-norm.
 Attention: ``q·kᵀ`` is scaled by ``query_pre_attn_scalar^-½`` and soft-capped
 (``attn_logit_softcapping``); layers whose ``layer_types`` entry is ``sliding_attention`` attend
 over the last ``sliding_window`` keys only. Scores and patterns are rebuilt with both; hooks on
-them, and on per-head results, cannot run explicitly (:class:`~vlens.mapping.ExplicitAttention`
+them, and on per-head results, cannot run explicitly (:class:`~vlens.names.mapping.ExplicitAttention`
 computes plain causal attention). The logits processor soft-caps the logits
 (``final_logit_softcapping``); ``unembed.hook_out`` is the capped logits, as HuggingFace's. vLLM's
 Gemma 2 has no ``lm_head``: its logits always go through the embedding (tied), so a checkpoint
@@ -43,8 +43,11 @@ import torch
 from torch import Tensor
 from transformers import Gemma2Config, PretrainedConfig
 
-from vlens import derived
-from vlens.mapping import (
+from vlens.mappings._tiny import rotary_dims
+from vlens.mappings.llama import ATTN, BLOCK, LAYER, MLP
+from vlens.mappings.llama import WEIGHTS as LLAMA_WEIGHTS
+from vlens.names import derived
+from vlens.names.mapping import (
     ArchitectureMapping,
     Argument,
     DerivedSpec,
@@ -53,6 +56,7 @@ from vlens.mapping import (
     Shards,
     Site,
     Spec,
+    attention_dimensions,
     attention_pattern,
     columns,
     entering,
@@ -63,11 +67,8 @@ from vlens.mapping import (
     rms_normalized,
     rms_scale,
 )
-from vlens.locations import SiteCall
-from vlens.mappings.llama import ATTN, BLOCK, LAYER, MLP, dimensions
-from vlens.mappings.llama import WEIGHTS as LLAMA_WEIGHTS
-from vlens.readers import LogitsOf, OutputOf
-from vlens.testing import rotary_dims
+from vlens.runtime.locations import SiteCall
+from vlens.runtime.readers import LogitsOf, OutputOf
 
 NOT_EXPLICIT = NoExplicitAttention(
     "Gemma's attention soft-caps its logits and/or attends over a sliding window on some layers, "
@@ -94,7 +95,7 @@ class ScaledOutput:
 
 @dataclass(frozen=True)
 class LayerAttentionScores:
-    """:class:`~vlens.derived.AttentionScores` whose sliding window depends on the layer:
+    """:class:`~vlens.names.derived.AttentionScores` whose sliding window depends on the layer:
     ``windows[layer]`` (None: fully causal)."""
 
     scale: float
@@ -122,7 +123,7 @@ def layer_windows(config: PretrainedConfig) -> tuple[int | None, ...]:
 
 def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
     eps = config.rms_norm_eps
-    heads, kv_heads, d_head = dimensions(config)
+    heads, kv_heads, d_head = attention_dimensions(config)
     q_end, k_end = heads * d_head, (heads + kv_heads) * d_head
     v_end = k_end + kv_heads * d_head
     d_mlp = config.intermediate_size

@@ -13,9 +13,9 @@ k read here need nothing more. Gemma 3 has no attention-logit soft cap
 
 from transformers import Gemma3TextConfig, PretrainedConfig
 
-from vlens.mapping import Spec, heads_first, leaving, logits
 from vlens.mappings import gemma2
 from vlens.mappings.llama import ATTN, BLOCK
+from vlens.names.mapping import Spec, heads_first, inserted_before, leaving, logits
 
 
 def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
@@ -27,12 +27,8 @@ Gemma 3's ``lm_head`` (tied to the embedding or not, as the config says)."""
         f"{BLOCK}.attn.hook_q_normed": heads_first(leaving(f"{ATTN}.q_norm")),
         f"{BLOCK}.attn.hook_k_normed": heads_first(leaving(f"{ATTN}.k_norm"), "kv_head"),
     }
-    at = list(specs).index(f"{BLOCK}.attn.hook_rot_q")
-    items = list(specs.items())
     return {
-        **dict(items[:at]),
-        **normed,
-        **dict(items[at:]),
+        **inserted_before(specs, f"{BLOCK}.attn.hook_rot_q", normed),
         "unembed.hook_out": logits(leaving("model.norm", element=0)),
     }
 

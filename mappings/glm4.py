@@ -20,10 +20,10 @@ import dataclasses
 
 from transformers import Glm4Config, PretrainedConfig
 
-from vlens.mapping import Spec, leaving
 from vlens.mappings import llama
+from vlens.mappings._tiny import rotary_dims
 from vlens.mappings.llama import BLOCK, LAYER, MLP
-from vlens.testing import rotary_dims
+from vlens.names.mapping import Spec, leaving
 
 
 def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:

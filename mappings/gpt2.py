@@ -37,7 +37,7 @@ Conventions, TransformerLens's where it and HuggingFace differ in form:
   pattern is the same). Where a hook function is on scores, pattern or per-head results, the
   worker computes that layer's attention from ``attn``'s inputs and writes z as its output;
   per-head results through ``c_proj``, whose bias is ``b_O``
-  (:class:`~vlens.mapping.ExplicitAttention`).
+  (:class:`~vlens.names.mapping.ExplicitAttention`).
 - HuggingFace's checkpoint stores ``c_attn``, ``c_proj`` and ``c_fc`` as Conv1D, ``[in, out]``:
   per-head results read ``W_O`` transposed accordingly. vLLM transposes them when loading.
 - ``hook_k_input``/``hook_v_input`` and ``hook_k``/``hook_v`` have every head (no grouped keys).
@@ -45,7 +45,9 @@ Conventions, TransformerLens's where it and HuggingFace differ in form:
 
 from transformers import GPT2Config, PretrainedConfig
 
-from vlens.mapping import (
+from vlens.mappings._tiny import MAX_POSITIONS, shared_settings
+from vlens.names.checkpoint import WeightNames
+from vlens.names.mapping import (
     ArchitectureMapping,
     Argument,
     ExplicitAttention,
@@ -62,8 +64,6 @@ from vlens.mapping import (
     per_head,
     repeated_per_head,
 )
-from vlens.testing import MAX_POSITIONS, shared_settings
-from vlens.weights import WeightNames
 
 LAYER = "transformer.h.{layer}"
 ATTN = f"{LAYER}.attn"

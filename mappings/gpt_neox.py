@@ -10,9 +10,9 @@ axis). Rotary positions rotate the first ``partial_rotary_factor`` of each head 
 
 from transformers import GPTNeoXConfig, PretrainedConfig
 
+from vlens.mappings._tiny import MAX_POSITIONS, shared_settings
 from vlens.mappings._transformers import Details, transformers_backend_mapping
-from vlens.testing import MAX_POSITIONS, shared_settings
-from vlens.weights import WeightNames
+from vlens.names.checkpoint import WeightNames
 
 LAYER = "gpt_neox.layers.{layer}"
 

@@ -28,24 +28,25 @@ from dataclasses import dataclass
 from torch import Tensor
 from transformers import GraniteConfig, PretrainedConfig
 
-from vlens import derived
-from vlens.locations import SiteCall
-from vlens.mapping import (
+from vlens.mappings import llama
+from vlens.mappings._tiny import rotary_dims
+from vlens.mappings.llama import ATTN, BLOCK, LAYER, MLP, ResidualStream
+from vlens.names import derived
+from vlens.names.mapping import (
     Argument,
     DerivedSpec,
     ExplicitAttention,
     HookSpec,
     NoExplicitAttention,
     Spec,
+    attention_dimensions,
     attention_pattern,
     attention_scores,
     entering,
     leaving,
 )
-from vlens.mappings import llama
-from vlens.mappings.llama import ATTN, BLOCK, LAYER, MLP, ResidualStream
-from vlens.readers import Reader
-from vlens.testing import rotary_dims
+from vlens.runtime.locations import SiteCall
+from vlens.runtime.readers import Reader
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,7 @@ class Scaled:
 
 @dataclass(frozen=True)
 class ScaledHeadResults:
-    """:class:`~vlens.derived.HeadResults` times ``factor``."""
+    """:class:`~vlens.names.derived.HeadResults` times ``factor``."""
 
     results: derived.HeadResults
     factor: float
@@ -94,7 +95,7 @@ def residual_stream(eps: float) -> ResidualStream:
 
 def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
     specs = llama.decoder_specs(config, residual_stream(config.rms_norm_eps))
-    heads, kv_heads, d_head = llama.dimensions(config)
+    heads, kv_heads, d_head = attention_dimensions(config)
     multiplier = config.residual_multiplier
     scale = config.attention_multiplier
     explicit = ExplicitAttention(

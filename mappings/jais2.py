@@ -8,9 +8,9 @@ import dataclasses
 from transformers import Jais2Config, PretrainedConfig
 
 from vlens.mappings import llama
+from vlens.mappings._tiny import rotary_dims
 from vlens.mappings._transformers import Details, transformers_backend_mapping
 from vlens.mappings.llama import LAYER
-from vlens.testing import rotary_dims
 
 
 def tiny_config() -> PretrainedConfig:

@@ -22,7 +22,7 @@ logits processor applies ``lm_head`` to its first output. Attention scores and p
 rebuilt from the rotated q and k (vLLM never forms them); per-head results use the checkpoint's
 ``o_proj`` weight. Where a hook function is on them, the worker computes that layer's attention
 from ``attn``'s inputs (q and k rotated, v) and writes z as ``attn``'s output; per-head results
-through ``o_proj`` (:class:`~vlens.mapping.ExplicitAttention`).
+through ``o_proj`` (:class:`~vlens.names.mapping.ExplicitAttention`).
 
 Where the config sets a ``sliding_window`` shorter than its context (Mistral-7B-v0.1), vLLM
 attends over that window on every layer; scores and patterns rebuilt with full causal attention
@@ -30,7 +30,7 @@ would be wrong past it, so they are not offered there (:func:`windowed_name_erro
 per-head results cannot run explicitly.
 
 Other members of the family (``qwen3.py``, ``mistral.py``, ``qwen2.py``) are this mapping with
-their differences (:meth:`~vlens.mapping.ArchitectureMapping.member`).
+their differences (:meth:`~vlens.names.mapping.ArchitectureMapping.member`).
 """
 
 import re
@@ -39,7 +39,9 @@ from dataclasses import dataclass
 
 from transformers import LlamaConfig, PretrainedConfig
 
-from vlens.mapping import (
+from vlens.mappings._tiny import rotary_dims
+from vlens.names.checkpoint import WeightNames
+from vlens.names.mapping import (
     ArchitectureMapping,
     Argument,
     ExplicitAttention,
@@ -47,6 +49,7 @@ from vlens.mapping import (
     NoExplicitAttention,
     Shards,
     Spec,
+    attention_dimensions,
     attention_pattern,
     attention_scores,
     columns,
@@ -59,21 +62,11 @@ from vlens.mapping import (
     rms_normalized,
     rms_scale,
 )
-from vlens.testing import rotary_dims
-from vlens.weights import WeightNames
 
 LAYER = "model.layers.{layer}"
 ATTN = f"{LAYER}.self_attn"
 MLP = f"{LAYER}.mlp"
 BLOCK = "blocks.{layer}"
-
-
-def dimensions(config: PretrainedConfig) -> tuple[int, int, int]:
-    """Query heads, key/value heads and head size."""
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    d_head = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return heads, kv_heads, d_head
 
 
 def sliding_window(config: PretrainedConfig) -> int | None:
@@ -122,7 +115,7 @@ def decoder_specs(config: PretrainedConfig, stream: ResidualStream) -> dict[str,
     """Every name of a decoder with Llama's attention and gated MLP modules, whose residual
     stream is read as ``stream`` says."""
     eps, norm_scale, normalized = stream.eps, stream.scale, stream.normalized
-    heads, kv_heads, d_head = dimensions(config)
+    heads, kv_heads, d_head = attention_dimensions(config)
     q_end, k_end, v_end = heads * d_head, (heads + kv_heads) * d_head, (heads + 2 * kv_heads) * d_head
     d_mlp = config.intermediate_size
 

@@ -5,7 +5,7 @@ window included."""
 from transformers import MistralConfig, PretrainedConfig
 
 from vlens.mappings import llama
-from vlens.testing import rotary_dims
+from vlens.mappings._tiny import rotary_dims
 
 
 def tiny_config() -> PretrainedConfig:

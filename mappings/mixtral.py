@@ -12,11 +12,11 @@ vLLM always renormalizes the chosen experts' weights (Mixtral's config has no
 
 from transformers import MixtralConfig, PretrainedConfig
 
-from vlens.mapping import Spec
 from vlens.mappings import llama
 from vlens.mappings._moe import SoftmaxTopK, moe_member, with_experts
+from vlens.mappings._tiny import rotary_dims
 from vlens.mappings.llama import LAYER
-from vlens.testing import rotary_dims
+from vlens.names.mapping import Spec
 
 MOE = f"{LAYER}.block_sparse_moe"
 

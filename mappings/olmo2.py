@@ -11,9 +11,9 @@ the split into heads and rotary (``attn.hook_q_normed``/``hook_k_normed``,
 
 from transformers import Olmo2Config, PretrainedConfig
 
+from vlens.mappings._tiny import rotary_dims
 from vlens.mappings._transformers import Details, transformers_backend_mapping
-from vlens.testing import rotary_dims
-from vlens.weights import WeightNames
+from vlens.names.checkpoint import WeightNames
 
 LAYER = "model.layers.{layer}"
 

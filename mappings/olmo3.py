@@ -8,9 +8,9 @@ rebuilt with full causal attention).
 
 from transformers import Olmo3Config, PretrainedConfig
 
+from vlens.mappings._tiny import rotary_dims
 from vlens.mappings._transformers import Details, transformers_backend_mapping
 from vlens.mappings.olmo2 import WEIGHTS
-from vlens.testing import rotary_dims
 
 #: Shorter than most parity prompts, so that the window is exercised.
 TINY_WINDOW = 8

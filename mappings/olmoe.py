@@ -19,11 +19,11 @@ another ``rms_norm_eps`` differ from HuggingFace by that.
 
 from transformers import OlmoeConfig, PretrainedConfig
 
-from vlens.mapping import Spec, leaving
 from vlens.mappings import llama
 from vlens.mappings._moe import SoftmaxTopK, moe_member, with_experts
+from vlens.mappings._tiny import rotary_dims
 from vlens.mappings.llama import ATTN, BLOCK, MLP
-from vlens.testing import rotary_dims
+from vlens.names.mapping import Spec, inserted_before, leaving
 
 
 def router(config: PretrainedConfig) -> SoftmaxTopK:
@@ -37,9 +37,7 @@ def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
         f"{BLOCK}.attn.hook_q_normed": leaving(f"{ATTN}.q_norm", shape="pos heads_d_head"),
         f"{BLOCK}.attn.hook_k_normed": leaving(f"{ATTN}.k_norm", shape="pos kv_heads_d_head"),
     }
-    at = list(specs).index(f"{BLOCK}.attn.hook_rot_q")
-    items = list(specs.items())
-    return with_experts({**dict(items[:at]), **normed, **dict(items[at:])}, MLP, router(config))
+    return with_experts(inserted_before(specs, f"{BLOCK}.attn.hook_rot_q", normed), MLP, router(config))
 
 
 def tiny_config() -> PretrainedConfig:

@@ -9,9 +9,9 @@ bias (``b_U``), which the logits include.
 
 from transformers import PhiConfig, PretrainedConfig
 
+from vlens.mappings._tiny import rotary_dims
 from vlens.mappings._transformers import Details, transformers_backend_mapping
-from vlens.testing import rotary_dims
-from vlens.weights import WeightNames
+from vlens.names.checkpoint import WeightNames
 
 LAYER = "model.layers.{layer}"
 

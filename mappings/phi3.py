@@ -12,8 +12,8 @@ import dataclasses
 from transformers import Phi3Config, PretrainedConfig
 
 from vlens.mappings import llama
+from vlens.mappings._tiny import rotary_dims
 from vlens.mappings.llama import ATTN, MLP
-from vlens.testing import rotary_dims
 
 WEIGHTS = dataclasses.replace(
     llama.WEIGHTS,

@@ -5,7 +5,7 @@ and the weight views read (``b_Q``, ``b_K``, ``b_V``)."""
 from transformers import PretrainedConfig, Qwen2Config
 
 from vlens.mappings import llama
-from vlens.testing import rotary_dims
+from vlens.mappings._tiny import rotary_dims
 
 
 def tiny_config() -> PretrainedConfig:

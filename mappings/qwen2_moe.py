@@ -19,12 +19,12 @@ of itself). Routing is plain softmax top-k, renormalized where ``norm_topk_prob`
 
 from transformers import PretrainedConfig, Qwen2MoeConfig
 
-from vlens.mapping import PartialSums, Spec, difference, leaving
 from vlens.mappings import qwen2
 from vlens.mappings._moe import ROUTING_NAMES, SoftmaxTopK, moe_member, sigmoid, with_experts
+from vlens.mappings._tiny import rotary_dims
 from vlens.mappings.llama import BLOCK, MLP
 from vlens.mappings.qwen3_moe import is_moe_layer
-from vlens.testing import rotary_dims
+from vlens.names.mapping import PartialSums, Spec, difference, inserted_before, leaving
 
 SHARED_NAMES = tuple(
     f"{BLOCK}.mlp.hook_{n}" for n in ("shared_gate", "shared_out", "routed_out")
@@ -48,9 +48,7 @@ def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
         SHARED_NAMES[1]: leaving(f"{MLP}.shared_expert", shards=PartialSums()),
         SHARED_NAMES[2]: difference(f"{BLOCK}.hook_mlp_out", SHARED_NAMES[1]),
     }
-    at = list(specs).index(f"{BLOCK}.hook_mlp_out")
-    items = list(specs.items())
-    return {**dict(items[:at]), **shared, **dict(items[at:])}
+    return inserted_before(specs, f"{BLOCK}.hook_mlp_out", shared)
 
 
 def tiny_config() -> PretrainedConfig:

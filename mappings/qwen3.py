@@ -14,15 +14,22 @@ values are heads-first (``[batch, head, pos, d_head]``), as TransformerLens's br
 
 from transformers import PretrainedConfig, Qwen3Config
 
-from vlens.mapping import Shards, Spec, heads_first, leaving
 from vlens.mappings import llama
+from vlens.mappings._tiny import rotary_dims
 from vlens.mappings.llama import ATTN, BLOCK
-from vlens.testing import rotary_dims
+from vlens.names.mapping import (
+    Shards,
+    Spec,
+    attention_dimensions,
+    heads_first,
+    inserted_before,
+    leaving,
+)
 
 
 def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
     specs = llama.hook_specs(config)
-    heads, kv_heads, _ = llama.dimensions(config)
+    heads, kv_heads, _ = attention_dimensions(config)
     # q_norm / k_norm see [pos, heads, d_head]: under tensor parallelism, this rank's heads.
     q_normed = leaving(f"{ATTN}.q_norm", shards=Shards(-2, (heads,)))
     k_normed = leaving(f"{ATTN}.k_norm", shards=Shards(-2, (kv_heads,)))
@@ -30,9 +37,7 @@ def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
         f"{BLOCK}.attn.hook_q_normed": heads_first(q_normed),
         f"{BLOCK}.attn.hook_k_normed": heads_first(k_normed, "kv_head"),
     }
-    order = list(specs)
-    at = order.index(f"{BLOCK}.attn.hook_rot_q")
-    return {**dict(list(specs.items())[:at]), **normed, **dict(list(specs.items())[at:])}
+    return inserted_before(specs, f"{BLOCK}.attn.hook_rot_q", normed)
 
 
 def tiny_config() -> PretrainedConfig:

@@ -14,11 +14,11 @@ or off the ``decoder_sparse_step`` grid, keep Qwen3's dense gated MLP (``mlp.hoo
 
 from transformers import PretrainedConfig, Qwen3MoeConfig
 
-from vlens.mapping import Spec
 from vlens.mappings import qwen3
 from vlens.mappings._moe import SoftmaxTopK, moe_member, with_experts
+from vlens.mappings._tiny import rotary_dims
 from vlens.mappings.llama import MLP
-from vlens.testing import rotary_dims
+from vlens.names.mapping import Spec
 
 
 def is_moe_layer(config: PretrainedConfig, layer: int) -> bool:

@@ -6,8 +6,8 @@ with biases on q, k and v, none on the output projection.
 from transformers import PretrainedConfig, SeedOssConfig
 
 from vlens.mappings import llama
+from vlens.mappings._tiny import rotary_dims
 from vlens.mappings._transformers import Details, transformers_backend_mapping
-from vlens.testing import rotary_dims
 
 
 def tiny_config() -> PretrainedConfig:

@@ -7,8 +7,8 @@ are, as HuggingFace's attention uses them.
 from transformers import PretrainedConfig, SmolLM3Config
 
 from vlens.mappings import llama
+from vlens.mappings._tiny import EOS_ID, rotary_dims
 from vlens.mappings._transformers import Details, transformers_backend_mapping
-from vlens.testing import EOS_ID, rotary_dims
 
 
 def tiny_config() -> PretrainedConfig:

@@ -24,10 +24,17 @@ import dataclasses
 
 from transformers import PretrainedConfig, StableLmConfig
 
-from vlens.mapping import Argument, Spec, entering, layer_norm_normalized, layer_norm_scale, leaving
 from vlens.mappings import llama
+from vlens.mappings._tiny import rotary_dims
 from vlens.mappings.llama import LAYER, ResidualStream
-from vlens.testing import rotary_dims
+from vlens.names.mapping import (
+    Argument,
+    Spec,
+    entering,
+    layer_norm_normalized,
+    layer_norm_scale,
+    leaving,
+)
 
 
 def residual_stream(eps: float) -> ResidualStream:

@@ -1,7 +1,7 @@
 """``python -m vlens.parity [ARCH_OR_PATH ...] [--out FILE]``: the parity tables.
 
 Each argument is a local checkpoint folder or the name of a tiny test model
-(``vlens.testing.tiny_model``). Exits non-zero if any row exceeds the fp32 tolerance.
+(``vlens.testing.tiny.tiny_model``). Exits non-zero if any row exceeds the fp32 tolerance.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from vlens.parity.run import DECODE_STEPS, run_parity
 
 def checkpoint(arg: str) -> Path:
     """A tiny test model's name, or else a checkpoint folder."""
-    from vlens.testing import ARCHS, tiny_model
+    from vlens.testing.tiny import ARCHS, tiny_model
 
     if arg in ARCHS:
         return tiny_model(arg)
@@ -30,7 +30,7 @@ def checkpoint(arg: str) -> Path:
 
 def default_models() -> list[str]:
     """Every tiny model the mapping files declare."""
-    from vlens.testing import ARCHS
+    from vlens.testing.tiny import ARCHS
 
     return list(ARCHS)
 
@@ -38,7 +38,7 @@ def default_models() -> list[str]:
 def no_bridge_reasons(models: list[str]) -> list[tuple[str, str]]:
     """The tiny models among ``models`` whose mapping says why TransformerLens's bridge gives no
     reference, with that reason."""
-    from vlens.testing import ARCHS, tiny_mapping
+    from vlens.testing.tiny import ARCHS, tiny_mapping
 
     reasons = []
     for model in models:

@@ -242,18 +242,18 @@ def isolation(model: Any) -> dict[str, Any]:
 def close(model: Any) -> None:
     try:
         model.engine.llm.llm_engine.engine_core.shutdown()
-    except Exception:  # noqa: BLE001 - best effort; the next engine reports any real problem
+    except Exception:
         traceback.print_exc()
 
 
 def run(args: argparse.Namespace) -> int:
     import vllm
     from transformers import AutoConfig
-    from vlens.mappings import mapping_for
 
     from vlens import HookedVLLM
-    from vlens.support import model_impl_args
-    from vlens.testing import ARCHS, tiny_model
+    from vlens.engine.support import model_impl_args
+    from vlens.mappings import mapping_for
+    from vlens.testing.tiny import ARCHS, tiny_model
 
     threads = os.environ.get("PARITY_THREADS") or max(1, (os.cpu_count() or 2) // 2)
     torch.set_num_threads(int(threads))
@@ -302,7 +302,7 @@ def run(args: argparse.Namespace) -> int:
                     entry["isolation"] = isolation(model)
                 ok = not entry["failing"] and entry.get("isolation", {}).get("ok", True)
                 entry["ok"] = ok
-            except Exception:  # noqa: BLE001 - one combination failing must not stop the others
+            except Exception:
                 entry["error"] = traceback.format_exc()
                 entry["ok"] = False
                 print(entry["error"], file=sys.stderr)

@@ -27,16 +27,15 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import Tensor, nn
 
+from vlens.names.mapping import attention_dimensions
+from vlens.parity import common
 from vlens.parity.hf_gpt2 import layer_norm_parts
 from vlens.parity.reference import Recorder, Values, after_blocks, rms_parts
-
-
-def per_head(x: Tensor, d_head: int) -> Tensor:
-    return x.reshape(*x.shape[:-1], -1, d_head)
 
 
 def rotated(
@@ -58,26 +57,18 @@ def norm_parts(config: object) -> Callable[[Tensor], tuple[Tensor, Tensor]]:
 
 
 def record_projections(recorder: Recorder, layer: nn.Module, i: int) -> None:
-    """q, k, v (and their norms), gate and up of layer ``i``, fused or not, under the keys
-    :func:`split_qkv` and :func:`mlp_inputs` read."""
+    """q, k, v (and their norms) and the MLP's projections of layer ``i``, fused or not, under the
+    keys :func:`split_qkv` and :func:`~vlens.parity.common.dense_mlp_values` read."""
     attn, mlp = layer.self_attn, layer.mlp
-    if hasattr(attn, "qkv_proj"):
-        recorder.output(attn.qkv_proj, f"qkv{i}")
-    else:
-        for part in ("q", "k", "v"):
-            recorder.output(getattr(attn, f"{part}_proj"), f"{part}{i}")
-    for part in ("q_norm", "k_norm"):
-        if hasattr(attn, part):
-            recorder.output(getattr(attn, part), f"{part}{i}")
+    common.record_qkv(recorder, attn, i)
     if hasattr(attn, "q_norm"):
         recorder.inputs(attn.q_norm, f"q_norm_in{i}", "hidden_states")
     if hasattr(mlp, "gate_up_proj"):
         recorder.output(mlp.gate_up_proj, f"gate_up{i}")
-    elif hasattr(mlp, "gate_proj"):
-        recorder.output(mlp.gate_proj, f"gate{i}")
-        recorder.output(mlp.up_proj, f"up{i}")
+        recorder.inputs(mlp.down_proj, f"post_act{i}", "input")
     else:
-        recorder.output(mlp.up_proj, f"in{i}")
+        gate = "gate_proj" if hasattr(mlp, "gate_proj") else None
+        common.record_dense_mlp(recorder, mlp, i, gate=gate)
 
 
 def split_qkv(seen: dict, i: int, q_width: int, kv_width: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -87,18 +78,6 @@ def split_qkv(seen: dict, i: int, q_width: int, kv_width: int) -> tuple[Tensor, 
         return q, k, v
     q, k, v = (seen[f"{part}{i}"] for part in ("q", "k", "v"))
     return q, k, v
-
-
-def mlp_inputs(seen: dict, i: int) -> dict[str, Tensor]:
-    """``mlp.hook_pre`` (the gate, or the only input projection of an ungated MLP) and, for a
-    gated MLP, ``mlp.hook_pre_linear`` (up) of layer ``i``."""
-    if f"in{i}" in seen:
-        return {"hook_pre": seen[f"in{i}"]}
-    if f"gate_up{i}" in seen:
-        gate, up = seen[f"gate_up{i}"].chunk(2, dim=-1)
-    else:
-        gate, up = seen[f"gate{i}"], seen[f"up{i}"]
-    return {"hook_pre": gate, "hook_pre_linear": up}
 
 
 def mlp_norm(layer: nn.Module) -> nn.Module | None:
@@ -120,12 +99,11 @@ def record(
     per-head results are rebuilt with HuggingFace's own functions and weights; the pattern is
     HuggingFace's own attention weights."""
     config = model.config
-    parts, heads = norm_parts(config), config.num_attention_heads
-    kv_heads = config.num_key_value_heads
-    d_head = getattr(config, "head_dim", None) or config.hidden_size // heads
+    parts = norm_parts(config)
+    heads, kv_heads, d_head = attention_dimensions(config)
     embedding_multiplier = getattr(config, "embedding_multiplier", 1.0)
     residual_multiplier = getattr(config, "residual_multiplier", 1.0)
-    apply_rotary = sys.modules[type(model).__module__].apply_rotary_pos_emb
+    rotate = partial(rotated, sys.modules[type(model).__module__].apply_rotary_pos_emb)
     inner = model.model
     recorder.output(inner.embed_tokens, "embed")
     for i, layer in enumerate(inner.layers):
@@ -137,7 +115,6 @@ def record(
         norm = mlp_norm(layer)
         if norm is not None:
             recorder.inputs(norm, f"mid{i}", "hidden_states")
-        recorder.inputs(layer.mlp.down_proj, f"post_act{i}", "input")
         recorder.output(getattr(layer, "post_mlp_layernorm", layer.mlp), f"mlp{i}")
         recorder.output(layer, f"post{i}")
     recorder.inputs(inner.norm, "final", "hidden_states")
@@ -148,42 +125,30 @@ def record(
         cos, sin = inner.rotary_emb(seen["embed"], positions)
         out = {"hook_embed": seen["embed"] * embedding_multiplier}
         for i, layer in enumerate(inner.layers):
-            block = f"blocks.{i}"
+            block, attn = f"blocks.{i}", f"blocks.{i}.attn"
             pre = seen[f"pre{i}"]
-            out[f"{block}.hook_resid_pre"] = pre
-            out[f"{block}.hook_attn_in"] = pre[:, :, None].expand(-1, -1, heads, -1)
-            out[f"{block}.hook_q_input"] = pre[:, :, None].expand(-1, -1, heads, -1)
-            out[f"{block}.hook_k_input"] = pre[:, :, None].expand(-1, -1, kv_heads, -1)
-            out[f"{block}.hook_v_input"] = pre[:, :, None].expand(-1, -1, kv_heads, -1)
+            out |= common.block_input(block, pre, heads, kv_heads)
             out[f"{block}.ln1.hook_scale"], out[f"{block}.ln1.hook_normalized"] = parts(pre)
-            q, k, v = split_qkv(seen, i, heads * d_head, kv_heads * d_head)
-            q, k, v = (per_head(x, d_head) for x in (q, k, v))
-            out[f"{block}.attn.hook_q"], out[f"{block}.attn.hook_k"] = q, k
-            out[f"{block}.attn.hook_v"] = v
+            qkv = split_qkv(seen, i, heads * d_head, kv_heads * d_head)
+            out |= common.qkv_heads(attn, d_head, *qkv)
+            q, k = out[f"{attn}.hook_q"], out[f"{attn}.hook_k"]
             if f"q_norm{i}" in seen:
                 q, k = seen[f"q_norm{i}"], seen[f"k_norm{i}"]
-                if not torch.equal(seen[f"q_norm_in{i}"], out[f"{block}.attn.hook_q"]):
+                if not torch.equal(seen[f"q_norm_in{i}"], out[f"{attn}.hook_q"]):
                     q, k = q.transpose(1, 2), k.transpose(1, 2)  # normed heads first (Apertus)
-                out[f"{block}.attn.hook_q_normed"] = q.transpose(1, 2)
-                out[f"{block}.attn.hook_k_normed"] = k.transpose(1, 2)
-            rot_q, rot_k = rotated(apply_rotary, q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-            out[f"{block}.attn.hook_rot_q"] = rot_q.transpose(1, 2)
-            out[f"{block}.attn.hook_rot_k"] = rot_k.transpose(1, 2)
-            out[f"{block}.attn.hook_pattern"] = attentions[i]
-            z = per_head(seen[f"z{i}"], d_head)
-            out[f"{block}.attn.hook_z"] = z
-            w_o = layer.self_attn.o_proj.weight.reshape(-1, heads, d_head)  # [d_model, H, d_head]
-            result = torch.einsum("bphd,mhd->bphm", z, w_o)
-            out[f"{block}.attn.hook_result"] = result * residual_multiplier
+                out[f"{attn}.hook_q_normed"] = q.transpose(1, 2)
+                out[f"{attn}.hook_k_normed"] = k.transpose(1, 2)
+            out |= common.rotated_qk(attn, rotate, q, k, cos, sin)
+            out[f"{attn}.hook_pattern"] = attentions[i]
+            out |= common.z_and_result(attn, seen[f"z{i}"], layer.self_attn.o_proj.weight, heads)
+            out[f"{attn}.hook_result"] = out[f"{attn}.hook_result"] * residual_multiplier
             out[f"{block}.hook_attn_out"] = seen[f"attn{i}"] * residual_multiplier
             if f"mid{i}" in seen:
                 mid = seen[f"mid{i}"]
                 out[f"{block}.hook_resid_mid"] = mid
                 out[f"{block}.ln2.hook_scale"], out[f"{block}.ln2.hook_normalized"] = parts(mid)
             out[f"{block}.hook_mlp_in"] = seen.get(f"mid{i}", pre)
-            for name, value in mlp_inputs(seen, i).items():
-                out[f"{block}.mlp.{name}"] = value
-            out[f"{block}.mlp.hook_post"] = seen[f"post_act{i}"]
+            out |= common.dense_mlp_values(f"{block}.mlp", seen, i)
             out[f"{block}.hook_mlp_out"] = seen[f"mlp{i}"] * residual_multiplier
             out[f"{block}.hook_resid_post"] = seen[f"post{i}"]
         return after_blocks(out, parts(seen["final"]), logits)

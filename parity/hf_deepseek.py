@@ -11,6 +11,7 @@ import torch
 from einops import rearrange
 from torch import Tensor, nn
 
+from vlens.parity import common
 from vlens.parity.reference import Recorder, Values, after_blocks, rms_parts
 
 
@@ -56,7 +57,7 @@ def record(
     modeling = import_module(type(model).__module__)
     config = model.config
     eps, heads = config.rms_norm_eps, config.num_attention_heads
-    d_nope, d_rope = config.qk_nope_head_dim, config.qk_rope_head_dim
+    d_nope = config.qk_nope_head_dim
     kv_rank = config.kv_lora_rank
     inner = model.model
     recorder.output(inner.embed_tokens, "embed")
@@ -80,9 +81,7 @@ def record(
             recorder.output(mlp.shared_experts, f"shared{i}")
             recorder.output(mlp.experts, f"routed{i}")
         else:
-            recorder.output(mlp.gate_proj, f"gate{i}")
-            recorder.output(mlp.up_proj, f"up{i}")
-            recorder.inputs(mlp.down_proj, f"post_act{i}", "input")
+            common.record_dense_mlp(recorder, mlp, i)
         recorder.output(mlp, f"mlp{i}")
         recorder.output(layer, f"post{i}")
     recorder.inputs(inner.norm, "final", "hidden_states")
@@ -131,10 +130,7 @@ def record(
             out[f"{block}.attn.hook_v"] = v
             out[f"{block}.attn.hook_attn_scores"] = scores.masked_fill(future, float("-inf"))
             out[f"{block}.attn.hook_pattern"] = attentions[i]
-            z = rearrange(seen[f"z{i}"], "b p (h d) -> b p h d", h=heads)
-            w_o = rearrange(attn.o_proj.weight, "m (h d) -> h d m", h=heads)
-            out[f"{block}.attn.hook_z"] = z
-            out[f"{block}.attn.hook_result"] = torch.einsum("bphd,hdm->bphm", z, w_o)
+            out |= common.z_and_result(f"{block}.attn", seen[f"z{i}"], attn.o_proj.weight, heads)
             out[f"{block}.hook_attn_out"] = seen[f"attn{i}"]
             out[f"{block}.hook_resid_mid"] = mid
             out[f"{block}.hook_mlp_in"] = mid
@@ -146,9 +142,7 @@ def record(
                 out[f"{block}.mlp.hook_shared_out"] = seen[f"shared{i}"]
                 out[f"{block}.mlp.hook_routed_out"] = seen[f"routed{i}"].reshape(mid.shape)
             else:
-                out[f"{block}.mlp.hook_pre"] = seen[f"gate{i}"]
-                out[f"{block}.mlp.hook_pre_linear"] = seen[f"up{i}"]
-                out[f"{block}.mlp.hook_post"] = seen[f"post_act{i}"]
+                out |= common.dense_mlp_values(f"{block}.mlp", seen, i)
             out[f"{block}.hook_mlp_out"] = seen[f"mlp{i}"]
             out[f"{block}.hook_resid_post"] = seen[f"post{i}"]
         return after_blocks(out, rms_parts(seen["final"], eps), logits)

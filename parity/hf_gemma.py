@@ -6,10 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
 from torch import Tensor, nn
 
-from vlens.parity.hf_llama import per_head
+from vlens.parity import common
 from vlens.parity.reference import Recorder, Values, after_blocks, rms_parts
 
 
@@ -42,18 +41,12 @@ def record(
         attn = layer.self_attn
         recorder.inputs(layer, f"pre{i}", "hidden_states")
         recorder.inputs(attn, f"rope{i}", "position_embeddings")
-        for part in ("q", "k", "v"):
-            recorder.output(getattr(attn, f"{part}_proj"), f"{part}{i}")
-        for part in ("q_norm", "k_norm"):
-            if hasattr(attn, part):
-                recorder.output(getattr(attn, part), f"{part}{i}")
+        common.record_qkv(recorder, attn, i)
         recorder.inputs(attn.o_proj, f"z{i}", "input")
         recorder.output(attn, f"attn_raw{i}")
         recorder.output(layer.post_attention_layernorm, f"attn{i}")
         recorder.inputs(layer.pre_feedforward_layernorm, f"mid{i}", "hidden_states")
-        recorder.output(layer.mlp.gate_proj, f"gate{i}")
-        recorder.output(layer.mlp.up_proj, f"up{i}")
-        recorder.inputs(layer.mlp.down_proj, f"post_act{i}", "input")
+        common.record_dense_mlp(recorder, layer.mlp, i)
         recorder.output(layer.mlp, f"mlp_raw{i}")
         recorder.output(layer.post_feedforward_layernorm, f"mlp{i}")
         recorder.output(layer, f"post{i}")
@@ -63,38 +56,26 @@ def record(
         seen = recorder.seen
         out = {"hook_embed": seen["embed"]}
         for i, layer in enumerate(inner.layers):
-            block = f"blocks.{i}"
+            block, attn = f"blocks.{i}", f"blocks.{i}.attn"
             pre, mid = seen[f"pre{i}"], seen[f"mid{i}"]
-            out[f"{block}.hook_resid_pre"] = pre
-            out[f"{block}.hook_attn_in"] = pre[:, :, None].expand(-1, -1, heads, -1)
-            out[f"{block}.hook_q_input"] = pre[:, :, None].expand(-1, -1, heads, -1)
-            out[f"{block}.hook_k_input"] = pre[:, :, None].expand(-1, -1, kv_heads, -1)
-            out[f"{block}.hook_v_input"] = pre[:, :, None].expand(-1, -1, kv_heads, -1)
+            out |= common.block_input(block, pre, heads, kv_heads)
             out |= norm_parts(f"{block}.ln1", pre, eps)
-            q, k, v = (per_head(seen[f"{p}{i}"], d_head) for p in ("q", "k", "v"))
-            out[f"{block}.attn.hook_q"], out[f"{block}.attn.hook_k"] = q, k
-            out[f"{block}.attn.hook_v"] = v
-            q, k = q.transpose(1, 2), k.transpose(1, 2)
+            out |= common.qkv_heads(attn, d_head, *(seen[f"{p}{i}"] for p in ("q", "k", "v")))
+            q, k = out[f"{attn}.hook_q"], out[f"{attn}.hook_k"]
             if f"q_norm{i}" in seen:
-                q, k = seen[f"q_norm{i}"], seen[f"k_norm{i}"]
-                out[f"{block}.attn.hook_q_normed"], out[f"{block}.attn.hook_k_normed"] = q, k
-            rot_q, rot_k = apply_rotary_pos_emb(q, k, *seen[f"rope{i}"])
-            out[f"{block}.attn.hook_rot_q"] = rot_q.transpose(1, 2)
-            out[f"{block}.attn.hook_rot_k"] = rot_k.transpose(1, 2)
-            out[f"{block}.attn.hook_pattern"] = attentions[i]
-            z = per_head(seen[f"z{i}"], d_head)
-            out[f"{block}.attn.hook_z"] = z
-            w_o = layer.self_attn.o_proj.weight.reshape(-1, heads, d_head)  # [d_model, H, d_head]
-            out[f"{block}.attn.hook_result"] = torch.einsum("bphd,mhd->bphm", z, w_o)
+                q_normed, k_normed = seen[f"q_norm{i}"], seen[f"k_norm{i}"]
+                out[f"{attn}.hook_q_normed"], out[f"{attn}.hook_k_normed"] = q_normed, k_normed
+                q, k = q_normed.transpose(1, 2), k_normed.transpose(1, 2)
+            out |= common.rotated_qk(attn, apply_rotary_pos_emb, q, k, *seen[f"rope{i}"])
+            out[f"{attn}.hook_pattern"] = attentions[i]
+            out |= common.z_and_result(attn, seen[f"z{i}"], layer.self_attn.o_proj.weight, heads)
             attn_raw, mlp_raw = seen[f"attn_raw{i}"], seen[f"mlp_raw{i}"]
             out |= norm_parts(f"{block}.ln1_post", attn_raw, eps)
             out[f"{block}.hook_attn_out"] = seen[f"attn{i}"]
             out[f"{block}.hook_resid_mid"] = mid
             out[f"{block}.hook_mlp_in"] = mid
             out |= norm_parts(f"{block}.ln2", mid, eps)
-            out[f"{block}.mlp.hook_pre"] = seen[f"gate{i}"]
-            out[f"{block}.mlp.hook_pre_linear"] = seen[f"up{i}"]
-            out[f"{block}.mlp.hook_post"] = seen[f"post_act{i}"]
+            out |= common.dense_mlp_values(f"{block}.mlp", seen, i)
             out |= norm_parts(f"{block}.ln2_post", mlp_raw, eps)
             out[f"{block}.hook_mlp_out"] = seen[f"mlp{i}"]
             out[f"{block}.hook_resid_post"] = seen[f"post{i}"]

@@ -7,11 +7,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from vlens.names.mapping import attention_dimensions
+from vlens.parity import common
 from vlens.parity.reference import Recorder, Values, after_blocks
-
-
-def per_head(x: Tensor, d_head: int) -> Tensor:
-    return x.reshape(*x.shape[:-1], -1, d_head)
 
 
 def layer_norm_parts(x: Tensor, eps: float) -> tuple[Tensor, Tensor]:
@@ -35,8 +33,8 @@ def record(
     it; the pattern is HuggingFace's own attention weights.
     """
     config = model.config
-    eps, heads = config.layer_norm_epsilon, config.num_attention_heads
-    d_head = config.hidden_size // heads
+    eps = config.layer_norm_epsilon
+    heads, _, d_head = attention_dimensions(config)
     inner = model.transformer
     recorder.output(inner.wte, "embed")
     recorder.output(inner.wpe, "pos_embed")
@@ -46,8 +44,7 @@ def record(
         recorder.inputs(block.attn.c_proj, f"z{i}", "x")
         recorder.output(block.attn, f"attn{i}")
         recorder.inputs(block.ln_2, f"mid{i}", "input")
-        recorder.output(block.mlp.c_fc, f"pre_act{i}")
-        recorder.output(block.mlp.act, f"post_act{i}")
+        common.record_dense_mlp(recorder, block.mlp, i, gate=None, up="c_fc", down="c_proj")
         recorder.output(block.mlp, f"mlp{i}")
         recorder.output(block, f"post{i}")
     recorder.inputs(inner.ln_f, "final", "input")
@@ -58,29 +55,22 @@ def record(
         for i, block in enumerate(inner.h):
             name = f"blocks.{i}"
             pre, mid = seen[f"pre{i}"], seen[f"mid{i}"]
-            out[f"{name}.hook_resid_pre"] = pre
-            for copy in ("hook_attn_in", "hook_q_input", "hook_k_input", "hook_v_input"):
-                out[f"{name}.{copy}"] = pre[:, :, None].expand(-1, -1, heads, -1)
+            out |= common.block_input(name, pre, heads, heads)
             out[f"{name}.ln1.hook_scale"], out[f"{name}.ln1.hook_normalized"] = layer_norm_parts(
                 pre, eps
             )
-            q, k, v = seen[f"qkv{i}"].split(config.hidden_size, dim=-1)
-            out[f"{name}.attn.hook_q"] = per_head(q, d_head)
-            out[f"{name}.attn.hook_k"] = per_head(k, d_head)
-            out[f"{name}.attn.hook_v"] = per_head(v, d_head)
+            qkv = seen[f"qkv{i}"].split(config.hidden_size, dim=-1)
+            out |= common.qkv_heads(f"{name}.attn", d_head, *qkv)
             out[f"{name}.attn.hook_pattern"] = attentions[i]
-            z = per_head(seen[f"z{i}"], d_head)
-            out[f"{name}.attn.hook_z"] = z
-            w_o = block.attn.c_proj.weight.reshape(heads, d_head, -1)  # [H, d_head, d_model]
-            out[f"{name}.attn.hook_result"] = torch.einsum("bphd,hdm->bphm", z, w_o)
+            w_o = block.attn.c_proj.weight.T  # a Conv1D's [in, out]: a Linear's weight, transposed
+            out |= common.z_and_result(f"{name}.attn", seen[f"z{i}"], w_o, heads)
             out[f"{name}.hook_attn_out"] = seen[f"attn{i}"]
             out[f"{name}.hook_resid_mid"] = mid
             out[f"{name}.hook_mlp_in"] = mid
             out[f"{name}.ln2.hook_scale"], out[f"{name}.ln2.hook_normalized"] = layer_norm_parts(
                 mid, eps
             )
-            out[f"{name}.mlp.hook_pre"] = seen[f"pre_act{i}"]
-            out[f"{name}.mlp.hook_post"] = seen[f"post_act{i}"]
+            out |= common.dense_mlp_values(f"{name}.mlp", seen, i)
             out[f"{name}.hook_mlp_out"] = seen[f"mlp{i}"]
             out[f"{name}.hook_resid_post"] = seen[f"post{i}"]
         return after_blocks(out, layer_norm_parts(seen["final"], eps), logits)

@@ -8,11 +8,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from vlens.names.mapping import attention_dimensions
+from vlens.parity import common
 from vlens.parity.reference import Recorder, Values, after_blocks, rms_parts
-
-
-def per_head(x: Tensor, d_head: int) -> Tensor:
-    return x.reshape(*x.shape[:-1], -1, d_head)
 
 
 def record(
@@ -28,25 +26,18 @@ def record(
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     config = model.config
-    eps, heads = config.rms_norm_eps, config.num_attention_heads
-    kv_heads = config.num_key_value_heads
-    d_head = getattr(config, "head_dim", None) or config.hidden_size // heads
+    eps = config.rms_norm_eps
+    heads, kv_heads, d_head = attention_dimensions(config)
     inner = model.model
     recorder.output(inner.embed_tokens, "embed")
     for i, layer in enumerate(inner.layers):
         attn = layer.self_attn
         recorder.inputs(layer, f"pre{i}", "hidden_states")
-        for part in ("q", "k", "v"):
-            recorder.output(getattr(attn, f"{part}_proj"), f"{part}{i}")
-        for part in ("q_norm", "k_norm"):
-            if hasattr(attn, part):
-                recorder.output(getattr(attn, part), f"{part}{i}")
+        common.record_qkv(recorder, attn, i)
         recorder.inputs(attn.o_proj, f"z{i}", "input")
         recorder.output(attn, f"attn{i}")
         recorder.inputs(layer.post_attention_layernorm, f"mid{i}", "hidden_states")
-        recorder.output(layer.mlp.gate_proj, f"gate{i}")
-        recorder.output(layer.mlp.up_proj, f"up{i}")
-        recorder.inputs(layer.mlp.down_proj, f"post_act{i}", "input")
+        common.record_dense_mlp(recorder, layer.mlp, i)
         recorder.output(layer.mlp, f"mlp{i}")
         recorder.output(layer, f"post{i}")
     recorder.inputs(inner.norm, "final", "hidden_states")
@@ -57,36 +48,24 @@ def record(
         cos, sin = inner.rotary_emb(seen["embed"], positions)
         out = {"hook_embed": seen["embed"]}
         for i, layer in enumerate(inner.layers):
-            block = f"blocks.{i}"
+            block, attn = f"blocks.{i}", f"blocks.{i}.attn"
             pre, mid = seen[f"pre{i}"], seen[f"mid{i}"]
-            out[f"{block}.hook_resid_pre"] = pre
-            out[f"{block}.hook_attn_in"] = pre[:, :, None].expand(-1, -1, heads, -1)
-            out[f"{block}.hook_q_input"] = pre[:, :, None].expand(-1, -1, heads, -1)
-            out[f"{block}.hook_k_input"] = pre[:, :, None].expand(-1, -1, kv_heads, -1)
-            out[f"{block}.hook_v_input"] = pre[:, :, None].expand(-1, -1, kv_heads, -1)
+            out |= common.block_input(block, pre, heads, kv_heads)
             out[f"{block}.ln1.hook_scale"], out[f"{block}.ln1.hook_normalized"] = rms_parts(pre, eps)
-            q, k, v = (per_head(seen[f"{p}{i}"], d_head) for p in ("q", "k", "v"))
-            out[f"{block}.attn.hook_q"], out[f"{block}.attn.hook_k"] = q, k
-            out[f"{block}.attn.hook_v"] = v
+            out |= common.qkv_heads(attn, d_head, *(seen[f"{p}{i}"] for p in ("q", "k", "v")))
+            q, k = out[f"{attn}.hook_q"], out[f"{attn}.hook_k"]
             if f"q_norm{i}" in seen:
                 q, k = seen[f"q_norm{i}"], seen[f"k_norm{i}"]
-                out[f"{block}.attn.hook_q_normed"] = q.transpose(1, 2)
-                out[f"{block}.attn.hook_k_normed"] = k.transpose(1, 2)
-            rot_q, rot_k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-            out[f"{block}.attn.hook_rot_q"] = rot_q.transpose(1, 2)
-            out[f"{block}.attn.hook_rot_k"] = rot_k.transpose(1, 2)
-            out[f"{block}.attn.hook_pattern"] = attentions[i]
-            z = per_head(seen[f"z{i}"], d_head)
-            out[f"{block}.attn.hook_z"] = z
-            w_o = layer.self_attn.o_proj.weight.reshape(-1, heads, d_head)  # [d_model, H, d_head]
-            out[f"{block}.attn.hook_result"] = torch.einsum("bphd,mhd->bphm", z, w_o)
+                out[f"{attn}.hook_q_normed"] = q.transpose(1, 2)
+                out[f"{attn}.hook_k_normed"] = k.transpose(1, 2)
+            out |= common.rotated_qk(attn, apply_rotary_pos_emb, q, k, cos, sin)
+            out[f"{attn}.hook_pattern"] = attentions[i]
+            out |= common.z_and_result(attn, seen[f"z{i}"], layer.self_attn.o_proj.weight, heads)
             out[f"{block}.hook_attn_out"] = seen[f"attn{i}"]
             out[f"{block}.hook_resid_mid"] = mid
             out[f"{block}.hook_mlp_in"] = mid
             out[f"{block}.ln2.hook_scale"], out[f"{block}.ln2.hook_normalized"] = rms_parts(mid, eps)
-            out[f"{block}.mlp.hook_pre"] = seen[f"gate{i}"]
-            out[f"{block}.mlp.hook_pre_linear"] = seen[f"up{i}"]
-            out[f"{block}.mlp.hook_post"] = seen[f"post_act{i}"]
+            out |= common.dense_mlp_values(f"{block}.mlp", seen, i)
             out[f"{block}.hook_mlp_out"] = seen[f"mlp{i}"]
             out[f"{block}.hook_resid_post"] = seen[f"post{i}"]
         return after_blocks(out, rms_parts(seen["final"], eps), logits)

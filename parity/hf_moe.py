@@ -10,13 +10,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from vlens.names.mapping import attention_dimensions
+from vlens.parity import common
 from vlens.parity.hf_deepseek import record_outputs, routing
 from vlens.parity.reference import Recorder, Values, after_blocks, rms_parts
-
-
-def per_head(x: Tensor, d_head: int) -> Tensor:
-    """``[b, p, H·d_head]`` or ``[b, p, H, d_head]`` as ``[b, p, H, d_head]``."""
-    return x.reshape(*x.shape[:2], -1, d_head)
 
 
 def causal_scores(rot_q: Tensor, rot_k: Tensor, scale: float) -> Tensor:
@@ -30,9 +27,7 @@ def causal_scores(rot_q: Tensor, rot_k: Tensor, scale: float) -> Tensor:
 def record_layer(recorder: Recorder, layer: nn.Module, i: int) -> None:
     attn, mlp = layer.self_attn, layer.mlp
     recorder.inputs(layer, f"pre{i}", "hidden_states")
-    for part in ("q_proj", "k_proj", "v_proj", "q_norm", "k_norm"):
-        if hasattr(attn, part):
-            recorder.output(getattr(attn, part), f"{part}{i}")
+    common.record_qkv(recorder, attn, i)
     recorder.inputs(attn.o_proj, f"z{i}", "input")
     recorder.output(attn, f"attn{i}")
     recorder.inputs(layer.post_attention_layernorm, f"mid{i}", "hidden_states")
@@ -43,9 +38,7 @@ def record_layer(recorder: Recorder, layer: nn.Module, i: int) -> None:
             recorder.output(mlp.shared_expert, f"shared{i}")
             recorder.output(mlp.shared_expert_gate, f"shared_gate{i}")
     else:
-        recorder.output(mlp.gate_proj, f"gate{i}")
-        recorder.output(mlp.up_proj, f"up{i}")
-        recorder.inputs(mlp.down_proj, f"post_act{i}", "input")
+        common.record_dense_mlp(recorder, mlp, i)
     recorder.output(mlp, f"mlp{i}")
     recorder.output(layer, f"post{i}")
 
@@ -53,27 +46,24 @@ def record_layer(recorder: Recorder, layer: nn.Module, i: int) -> None:
 def attention_values(
     seen: dict[str, Any], i: int, attn: nn.Module, config: Any, rope: tuple[Tensor, Tensor]
 ) -> Values:
-    """Layer ``i``'s attention names (``attn.*``), from its projections, norms and z."""
+    """Layer ``i``'s attention names (``blocks.{i}.attn.*``), from its projections, norms and z."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    d_head = getattr(config, "head_dim", None) or config.hidden_size // heads
-    q, k, v = (per_head(seen[f"{p}_proj{i}"], d_head) for p in ("q", "k", "v"))
-    out = {"hook_q": q, "hook_k": k, "hook_v": v}
+    heads, kv_heads, d_head = attention_dimensions(config)
+    name = f"blocks.{i}.attn"
+    out = common.qkv_heads(name, d_head, *(seen[f"{p}{i}"] for p in ("q", "k", "v")))
+    q, k = out[f"{name}.hook_q"], out[f"{name}.hook_k"]
     if f"q_norm{i}" in seen:
         q_normed, k_normed = seen[f"q_norm{i}"], seen[f"k_norm{i}"]
-        q, k = per_head(q_normed, d_head), per_head(k_normed, d_head)
+        q, k = common.per_head(q_normed, d_head), common.per_head(k_normed, d_head)
         if q_normed.dim() == 4:  # per-head norms (Qwen3-MoE): heads first
             q_normed, k_normed = q.transpose(1, 2), k.transpose(1, 2)
-        out["hook_q_normed"], out["hook_k_normed"] = q_normed, k_normed
-    rot_q, rot_k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), *rope)
-    out["hook_rot_q"], out["hook_rot_k"] = rot_q.transpose(1, 2), rot_k.transpose(1, 2)
+        out[f"{name}.hook_q_normed"], out[f"{name}.hook_k_normed"] = q_normed, k_normed
+    out |= common.rotated_qk(name, apply_rotary_pos_emb, q, k, *rope)
+    rot_q, rot_k = (out[f"{name}.hook_rot_{x}"].transpose(1, 2) for x in ("q", "k"))
     shared_k = rot_k.repeat_interleave(heads // kv_heads, dim=1)
-    out["hook_attn_scores"] = causal_scores(rot_q, shared_k, attn.scaling)
-    z = per_head(seen[f"z{i}"], d_head)
-    w_o = attn.o_proj.weight.reshape(-1, heads, d_head)  # [d_model, H, d_head]
-    out["hook_z"] = z
-    out["hook_result"] = torch.einsum("bphd,mhd->bphm", z, w_o)
+    out[f"{name}.hook_attn_scores"] = causal_scores(rot_q, shared_k, attn.scaling)
+    out |= common.z_and_result(name, seen[f"z{i}"], attn.o_proj.weight, heads)
     return out
 
 
@@ -84,11 +74,7 @@ def mlp_values(
     the gated MLP's on a dense one."""
     block = f"blocks.{i}"
     if f"router{i}" not in seen:
-        return {
-            f"{block}.mlp.hook_pre": seen[f"gate{i}"],
-            f"{block}.mlp.hook_pre_linear": seen[f"up{i}"],
-            f"{block}.mlp.hook_post": seen[f"post_act{i}"],
-        }
+        return common.dense_mlp_values(f"{block}.mlp", seen, i)
     out = routing(block, mlp.gate, seen[f"router{i}"], batch_pos)
     if f"shared{i}" in seen:
         gate = seen[f"shared_gate{i}"].reshape(*batch_pos, 1).sigmoid()
@@ -131,14 +117,10 @@ def record(
         for i, layer in enumerate(inner.layers):
             block = f"blocks.{i}"
             pre, mid = seen[f"pre{i}"], seen[f"mid{i}"]
-            out[f"{block}.hook_resid_pre"] = pre
-            for name, n in (("attn_in", heads), ("q_input", heads), ("k_input", kv_heads),
-                            ("v_input", kv_heads)):
-                out[f"{block}.hook_{name}"] = pre[:, :, None].expand(-1, -1, n, -1)
+            out |= common.block_input(block, pre, heads, kv_heads)
             ln1 = rms_parts(pre, eps)
             out[f"{block}.ln1.hook_scale"], out[f"{block}.ln1.hook_normalized"] = ln1
-            for name, value in attention_values(seen, i, layer.self_attn, config, rope).items():
-                out[f"{block}.attn.{name}"] = value
+            out |= attention_values(seen, i, layer.self_attn, config, rope)
             out[f"{block}.attn.hook_pattern"] = attentions[i]
             out[f"{block}.hook_attn_out"] = seen[f"attn{i}"]
             out[f"{block}.hook_resid_mid"] = mid

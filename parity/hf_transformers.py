@@ -19,7 +19,6 @@ from vlens.mappings import served
 from vlens.mappings._transformers import (
     DETAILS,
     Layout,
-    dimensions,
     layout_of,
     modeling_module,
     norm_eps,
@@ -27,12 +26,10 @@ from vlens.mappings._transformers import (
     rotate_part,
     uses_rotary,
 )
+from vlens.names.mapping import attention_dimensions
+from vlens.parity import common
 from vlens.parity.hf_gpt2 import layer_norm_parts
 from vlens.parity.reference import Recorder, Values, after_blocks, rms_parts
-
-
-def per_head(x: Tensor, d_head: int) -> Tensor:
-    return x.reshape(*x.shape[:-1], -1, d_head)
 
 
 def record(
@@ -45,7 +42,7 @@ def record(
     served()  # imports every mapping file, which declares its architectures' details
     eps = norm_eps(config, DETAILS[config.architectures[0]])
     norm_parts = rms_parts if layout.norm == "RMS" else layer_norm_parts
-    heads, kv_heads, d_head = dimensions(config)
+    heads, kv_heads, d_head = attention_dimensions(config)
     inner = getattr(model, layout.base)
     layers = inner.get_submodule(layout.layers)
     recorder.output(inner.get_submodule(layout.embed), "embed")
@@ -69,10 +66,7 @@ def record(
             recorder.inputs(layer.get_submodule(layout.ln2), f"mid{i}", "hidden_states")
         else:
             recorder.inputs(mlp, f"mid{i}", "hidden_states")
-        if layout.mlp_gate is not None:
-            recorder.output(mlp.get_submodule(layout.mlp_gate), f"gate{i}")
-        recorder.output(mlp.get_submodule(layout.mlp_in), f"up{i}")
-        recorder.inputs(mlp.get_submodule(layout.mlp_out), f"post_act{i}", "input")
+        common.record_dense_mlp(recorder, mlp, i, layout.mlp_gate, layout.mlp_in, layout.mlp_out)
         recorder.output(mlp, f"mlp{i}")
         recorder.output(layer, f"post{i}")
     recorder.inputs(inner.get_submodule(layout.ln_final), "final", "hidden_states")
@@ -90,38 +84,25 @@ def record(
 
         out = {"hook_embed": seen["embed"]}
         for i, layer in enumerate(layers):
-            block = f"blocks.{i}"
+            block, attn = f"blocks.{i}", f"blocks.{i}.attn"
             pre, mid = seen[f"pre{i}"], seen[f"mid{i}"]
-            out[f"{block}.hook_resid_pre"] = pre
-            out[f"{block}.hook_attn_in"] = pre[:, :, None].expand(-1, -1, heads, -1)
-            out[f"{block}.hook_q_input"] = pre[:, :, None].expand(-1, -1, heads, -1)
-            out[f"{block}.hook_k_input"] = pre[:, :, None].expand(-1, -1, kv_heads, -1)
-            out[f"{block}.hook_v_input"] = pre[:, :, None].expand(-1, -1, kv_heads, -1)
+            out |= common.block_input(block, pre, heads, kv_heads)
             if layout.ln1 is not None:
                 out[f"{block}.ln1.hook_scale"], out[f"{block}.ln1.hook_normalized"] = norm_parts(
                     pre, eps
                 )
-            q, k, v = split_qkv(seen, i, layout, d_head)
-            out[f"{block}.attn.hook_q"], out[f"{block}.attn.hook_k"] = q, k
-            out[f"{block}.attn.hook_v"] = v
+            out |= common.qkv_heads(attn, d_head, *split_qkv(seen, i, layout, d_head))
+            q, k = out[f"{attn}.hook_q"], out[f"{attn}.hook_k"]
             if layout.q_norm is not None:
-                out[f"{block}.attn.hook_q_normed"] = seen[f"q_norm{i}"]
-                out[f"{block}.attn.hook_k_normed"] = seen[f"k_norm{i}"]
-                q, k = per_head(seen[f"q_norm{i}"], d_head), per_head(seen[f"k_norm{i}"], d_head)
-            out[f"{block}.attn.hook_rot_q"] = rotate(q, i)
-            out[f"{block}.attn.hook_rot_k"] = rotate(k, i)
-            out[f"{block}.attn.hook_pattern"] = attentions[i]
-            z = per_head(seen[f"z{i}"], d_head)
-            out[f"{block}.attn.hook_z"] = z
-            w_o = layer.get_submodule(f"{layout.attn}.{layout.o}").weight.reshape(-1, heads, d_head)
-            out[f"{block}.attn.hook_result"] = torch.einsum("bphd,mhd->bphm", z, w_o)
+                out[f"{attn}.hook_q_normed"] = seen[f"q_norm{i}"]
+                out[f"{attn}.hook_k_normed"] = seen[f"k_norm{i}"]
+                q, k = (common.per_head(seen[f"{x}_norm{i}"], d_head) for x in ("q", "k"))
+            out[f"{attn}.hook_rot_q"] = rotate(q, i)
+            out[f"{attn}.hook_rot_k"] = rotate(k, i)
+            out[f"{attn}.hook_pattern"] = attentions[i]
+            w_o = layer.get_submodule(f"{layout.attn}.{layout.o}").weight
+            out |= common.z_and_result(attn, seen[f"z{i}"], w_o, heads)
             out[f"{block}.hook_attn_out"] = seen[f"attn{i}"]
-            if layout.ln1_post is not None:
-                post_in = seen[f"ln1_post_in{i}"]
-                scale, normalized = norm_parts(post_in, eps)
-                out[f"{block}.ln1_post.hook_scale"] = scale
-                out[f"{block}.ln1_post.hook_normalized"] = normalized
-                out[f"{block}.hook_attn_out"] = seen[f"ln1_post_out{i}"]
             if not layout.parallel:
                 out[f"{block}.hook_resid_mid"] = mid
             if not layout.parallel or layout.ln2 is not None:
@@ -130,19 +111,15 @@ def record(
                 out[f"{block}.ln2.hook_scale"], out[f"{block}.ln2.hook_normalized"] = norm_parts(
                     mid, eps
                 )
-            if layout.mlp_gate is not None:
-                out[f"{block}.mlp.hook_pre"] = seen[f"gate{i}"]
-                out[f"{block}.mlp.hook_pre_linear"] = seen[f"up{i}"]
-            else:
-                out[f"{block}.mlp.hook_pre"] = seen[f"up{i}"]
-            out[f"{block}.mlp.hook_post"] = seen[f"post_act{i}"]
+            out |= common.dense_mlp_values(f"{block}.mlp", seen, i)
             out[f"{block}.hook_mlp_out"] = seen[f"mlp{i}"]
-            if layout.ln2_post is not None:
-                post_in = seen[f"ln2_post_in{i}"]
-                scale, normalized = norm_parts(post_in, eps)
-                out[f"{block}.ln2_post.hook_scale"] = scale
-                out[f"{block}.ln2_post.hook_normalized"] = normalized
-                out[f"{block}.hook_mlp_out"] = seen[f"ln2_post_out{i}"]
+            # A norm after a sublayer (before the residual add) gives the sublayer's term.
+            for norm, term in (("ln1_post", "hook_attn_out"), ("ln2_post", "hook_mlp_out")):
+                if getattr(layout, norm) is not None:
+                    scale, normalized = norm_parts(seen[f"{norm}_in{i}"], eps)
+                    out[f"{block}.{norm}.hook_scale"] = scale
+                    out[f"{block}.{norm}.hook_normalized"] = normalized
+                    out[f"{block}.{term}"] = seen[f"{norm}_out{i}"]
             out[f"{block}.hook_resid_post"] = seen[f"post{i}"]
         return after_blocks(out, norm_parts(seen["final"], eps), logits)
 
@@ -155,6 +132,6 @@ def split_qkv(
     """q, k and v per head ``[b, p, h, d]``: the separate projections' outputs, or a joint
     projection's split as GPT-NeoX's attention splits it (each head's ``[q | k | v]``)."""
     if layout.qkv is None:
-        return tuple(per_head(seen[f"{part}{i}"], d_head) for part in ("q", "k", "v"))
+        return tuple(common.per_head(seen[f"{part}{i}"], d_head) for part in ("q", "k", "v"))
     qkv = seen[f"qkv{i}"]
-    return per_head(qkv, 3 * d_head).chunk(3, dim=-1)
+    return common.per_head(qkv, 3 * d_head).chunk(3, dim=-1)

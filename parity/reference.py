@@ -16,18 +16,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from vlens.beside_vllm import beside_vllm
-
 Values = dict[str, Tensor]  # canonical name -> [pos, ...] for one prompt
 
 
 def load_hf(path: str | Path) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
-    with beside_vllm(path):
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch.float32, attn_implementation="eager"
-        )
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    )
     return model.eval()
 
 
@@ -113,8 +110,7 @@ def transformer_lens_reference(
         return None
 
     try:
-        with beside_vllm(path):
-            bridge = TransformerBridge.boot_transformers(str(path), dtype=torch.float32)
+        bridge = TransformerBridge.boot_transformers(str(path), device="cpu", dtype=torch.float32)
         bridge.enable_compatibility_mode(no_processing=True)
         # The names TransformerLens computes only when asked (hook_attn_in excludes the split
         # inputs).

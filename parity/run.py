@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from vlens.hooked import HookedVLLM
+from vlens.hooked.model import HookedVLLM
 from vlens.parity.compare import PROMPTS, Row, compare
 from vlens.parity.reference import Values, hf_reference, transformer_lens_reference
 

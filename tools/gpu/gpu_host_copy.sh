@@ -1,5 +1,5 @@
 #!/bin/bash
-# Issue 21 on one GPU, in ONE device call after the carry calls of tools/gpu/gpu.sh's header:
+# On one GPU, once the parts of tools/README.md are in /tmp/vlens-parts:
 # bench/host_copy.py (how each way of moving kept rows to the host slows the GPU), and the graph
 # tier's CUDA tests for the architectures named in ARCHS, with their tracebacks, once as they run
 # and once with the host stream turned off (the cache handed back after the call instead).
@@ -22,7 +22,7 @@ graph() {  # $1: label, then pytest arguments
     VLENS_TEST_ENGINE_ARGS='{"gpu_memory_utilization": 0.08, "kv_cache_memory_bytes": 1073741824}' \
     timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -p no:cacheprovider --tb=short -q \
     -k "traced_as_eager and (${ARCHS:-deepseek or gemma})" "${@:2}" \
-    "$root/tests/test_compiled.py" > "$OUT/graph-$1.log" 2>&1
+    "$root/tests/engine/test_compiled.py" > "$OUT/graph-$1.log" 2>&1
   echo "graph $1: exit $?"; tail -1 "$OUT/graph-$1.log"
   grep -h "^FAILED\|^E  " "$OUT/graph-$1.log" | head -20
 }

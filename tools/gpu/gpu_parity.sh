@@ -1,5 +1,5 @@
 #!/bin/bash
-# Parity of chosen tiny models on CUDA, in ONE device call after the carry calls (tools/README.md):
+# Parity of chosen tiny models on CUDA, once the parts of tools/README.md are in /tmp/vlens-parts:
 # `ARCHS="gemma2 gpt_neox" bash tools/gpu/gpu_parity.sh`. bf16 under both model runners and fp32
 # (Triton's fp32 dots in IEEE precision, as gpu.sh) under the V2 runner, the three side by side,
 # each stopped after PARITY_TIMEOUT seconds (the JSON keeps every model finished by then). Writes

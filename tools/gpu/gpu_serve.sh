@@ -1,8 +1,8 @@
 #!/bin/bash
-# Issue 22 on one H200: bench/serve.py's graph-tier row (plain compiled `vllm serve` against
+# On one H200: bench/serve.py's graph-tier row (plain compiled `vllm serve` against
 # `vlens serve --compiled-steering`, every request with its own vector) on Qwen3-8B's shape with
-# dummy bf16 weights, in ONE device call after the carry calls of tools/gpu/gpu.sh's header (about
-# 5 minutes: two server starts, each compiling). Writes serve.md and the servers' logs under $OUT.
+# dummy bf16 weights, once the parts of tools/README.md are in /tmp/vlens-parts (about 5 minutes:
+# two server starts, each compiling). Writes serve.md and the servers' logs under $OUT.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 OUT=${OUT:-/tmp/vlens-serve-out}

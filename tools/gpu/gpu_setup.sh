@@ -1,10 +1,10 @@
 #!/bin/bash
 # Sourced on the GPU machine by gpu.sh, gpu_parity.sh, gpu_deepseek.sh, gpu_graph.sh, gpu_tp.sh,
-# gpu_scale.sh, gpu_host_copy.sh and bench.sh:
-# installs what the machine lacks and sets the environment. Expects the carry calls of
-# ../shared/gpu/README.md to have filled /tmp/vlens-parts (vLLM 0.26.0 in parts, its dependencies,
-# and what prepare_gpu.sh adds: transformer_lens and its import-time dependencies as wheels, tiny
-# checkpoints as tiny.tar.part.NN).
+# gpu_scale.sh, gpu_host_copy.sh, gpu_serve.sh and bench.sh:
+# installs what the machine lacks and sets the environment. Expects /tmp/vlens-parts to hold the
+# files of every .gpuK folder (tools/README.md): vLLM 0.26.0 in parts, its dependencies, and what
+# prepare_gpu.sh adds (transformer_lens and its import-time dependencies, pytest and vLLM's API
+# server's dependencies as wheels, tiny checkpoints as tiny.tar.part.NN).
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 parts=/tmp/vlens-parts
 bash "$parts/install.sh" || return 1

@@ -5,9 +5,9 @@
 # those vLLM's OpenAI server needs (wheels, which the parts' install.sh installs with vLLM's), and
 # the tiny test checkpoints of every architecture the mapping files declare (with tiny_cuda.py's
 # DeepSeek ones) as one tar in parts of at most 50 MiB, tiny.tar.part.NN, spread over that folder
-# and as many more as they need, so that each folder with the project stays under a call's 64 MiB.
-# Then carry every .gpuK folder as ../shared/gpu/README.md says, and run tools/gpu/gpu.sh,
-# gpu_deepseek.sh, gpu_graph.sh or bench.sh in the calls right after.
+# and as many more as they need, so that each folder with the project beside it stays under 64 MiB.
+# Then every .gpuK folder's files go to /tmp/vlens-parts on the GPU machine (tools/README.md), and
+# the scripts of tools/gpu/ run there.
 set -euo pipefail
 root=$(pwd)
 here=$(cd "$(dirname "$0")" && pwd)
@@ -30,7 +30,7 @@ pip download -q --no-deps -d "$stage" $plat transformer-lens==4.3.0 datasets==5.
 # pytest: the graph tier's tests; the last three: what vLLM 0.26's OpenAI server imports beyond
 # prepare.sh's wheels (vlens serve, tools/gpu/gpu_serve.sh)
 cp "$stage"/*.whl "$ours"/
-python3 -c "from vlens.testing import ARCHS, tiny_model; [tiny_model(a) for a in ARCHS]"
+python3 -c "from vlens.testing.tiny import ARCHS, tiny_model; [tiny_model(a) for a in ARCHS]"
 python3 "$here/tiny_cuda.py"  # DeepSeek with MLA dimensions CUDA's kernels accept
 cache=${VLENS_CACHE:-$HOME/.cache/vlens}
 rm -f "$stage"/tiny.tar*

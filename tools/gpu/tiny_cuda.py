@@ -1,6 +1,6 @@
 """Tiny DeepSeek checkpoints that vLLM 0.26 can run on CUDA (``python tools/gpu/tiny_cuda.py``).
 
-The CPU test checkpoints (``vlens.testing``) give MLA ``qk_nope_head_dim = v_head_dim = 32``;
+The CPU test checkpoints (``vlens.testing.tiny``) give MLA ``qk_nope_head_dim = v_head_dim = 32``;
 vLLM 0.26 on CUDA has no MLA prefill backend for those dimensions (FlashAttention's MLA prefill
 wants DeepSeek's own 128 / 64 / 128), and no MLA backend at all in fp32. These are the same
 recipe with DeepSeek's head dimensions, for bf16 parity on the GPU: folders
@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config
 
-from vlens import testing
+from vlens.mappings._tiny import INIT_STD
+from vlens.testing import tiny as testing
 
 NAMES = {
     "deepseek_v3-mla128": (True, DeepseekV3Config),
@@ -26,14 +27,14 @@ NAMES = {
 
 def build(name: str, seed: int = 0, init_std: float | None = None) -> Path:
     """The folder of the tiny checkpoint ``name`` (one of ``NAMES``), building it on first use;
-    ``init_std`` as in :func:`vlens.testing.tiny_model` (a variant in its own folder)."""
+    ``init_std`` as in :func:`vlens.testing.tiny.tiny_model` (a variant in its own folder)."""
     v3, config_class = NAMES[name]
     target = testing.cache_root() / "tiny" / f"{name}-seed{seed}{testing.init_tag(init_std)}"
     if target.is_dir():
         return target
     values = testing.CONFIG_BUILDERS["deepseek_v3" if v3 else "deepseek_v2"]().to_dict()
     values.update(qk_nope_head_dim=128, v_head_dim=128)
-    values.update(initializer_range=testing.INIT_STD if init_std is None else init_std)
+    values.update(initializer_range=INIT_STD if init_std is None else init_std)
     values.pop("qk_head_dim", None)
     config = config_class(**values)
 

@@ -4,7 +4,7 @@
     python tools/notebooks/run_notebook.py --render tools/notebooks/results/*.json   # markdown again
 
 The notebook's model-loading calls get the backend's model on the local SmolLM2-135M checkpoint
-(``vlens.embedded.smollm2_path()``):
+(``vlens.testing.embedded.smollm2_path()``):
 
 - ``bridge``: ``TransformerBridge.boot_transformers(path, dtype=float32)`` then
   ``enable_compatibility_mode(no_processing=True)`` (as ``parity/reference.py`` boots it);
@@ -53,8 +53,8 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import notebook_stubs
-from notebook_cells import (
+import notebook_stubs  # noqa: E402 (found through the sys.path entry above)
+from notebook_cells import (  # noqa: E402
     COMPAT_FUNCTION,
     LOAD_FUNCTION,
     MIRROR,
@@ -143,7 +143,7 @@ LOADERS: dict[str, Callable[[Path], Any]] = {
 
 
 def smollm2() -> Path:
-    from vlens.embedded import smollm2_path
+    from vlens.testing.embedded import smollm2_path
 
     return Path(smollm2_path())
 
@@ -327,7 +327,7 @@ class Runner:
                 print(repr(value)[:OUTPUT_TAIL])
         except CellTimeout:
             raise
-        except (Exception, SystemExit) as error:  # noqa: BLE001 - every failure is data here
+        except (Exception, SystemExit) as error:
             return self._classify(error, filename, index)
         return None
 

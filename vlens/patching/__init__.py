@@ -22,9 +22,9 @@ Two extensions, keyword-only on every function:
 * ``max_logits_gb`` (default 1): the most logits one vLLM call hands back; a sweep whose logits
   are larger is split into several calls (whole cells each), its metric applied after each.
 
-Hooks and chunked prefill. A vlens hook sees one request's rows of one engine step; when vLLM
-splits a prompt's prefill over several steps (long prompts, or a full step), those are only part
-of the prompt, while a patch setter indexes absolute positions of a whole-prompt activation. Each
+Hooks and split prefills. A vlens hook sees one request's rows of one engine step; where vLLM
+splits a prompt's prefill over several steps (an engine built with a small
+``max_num_batched_tokens``), those are only part of the prompt, while a patch setter indexes absolute positions of a whole-prompt activation. Each
 hook therefore puts its rows into a copy of the clean activation (full length), calls the setter
 on that, and hands back its own rows: the patch lands on the right positions whichever step
 computes them.
@@ -40,14 +40,11 @@ the pattern sweeps raise ``NotImplementedError`` with vlens's reason. Direct pat
 (``get_act_patch_direct_path``) is not available: it edits one head's copy of the block input
 (``hook_q_input``), which vLLM never forms on its own.
 
-``transformer_lens.patching`` itself on a vlens model works where vLLM runs each patched forward's
-prompts together, each prefilled whole in one engine step (vlens then hands its hook the call's
-batch, ``[batch, pos, ...]``): one vLLM call per cell, so much slower than this module. Where vLLM
-splits a prefill over steps (a prompt longer than the engine's ``max_num_batched_tokens``, or a
-batch that does not fit one step), its hook sees part of a prompt, ``[1, rows, ...]``, while its
-setters index the whole clean batch at absolute positions: with several prompts that is a shape
-error (``HookError``); with one prompt, a patch at a position below the chunk's length lands on
-the wrong row, silently. This module has neither problem.
+``transformer_lens.patching`` itself on a vlens model works too: vlens prefills every prompt in
+one engine step and hands its hook the call's batch, ``[batch, pos, ...]``, where the prompts run
+together; one vLLM call per cell, so much slower than this module. On an engine built to split
+prefills (an explicit ``max_num_batched_tokens``), its hook, shared by the call's prompts, is
+refused on a split prefill (``HookError``); this module's per-prompt hooks work there too.
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ from __future__ import annotations
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -52,14 +52,14 @@ from vlens.runtime.attention_math import (
     softmax_pattern,
 )
 from vlens.runtime.batches import in_batches, rows_key
-from vlens.runtime.hooks import call_hooks, hook_batch, hook_point
+from vlens.runtime.hooks import call_hooks, hook_batch, hook_point, refuse_part_of_a_prefill
 from vlens.runtime.kv_history import KeyValueHistory
 from vlens.runtime.layout import RequestRows
 from vlens.runtime.messages import AttentionPlan, HookError, RequestCapture
 from vlens.runtime.sites import NarrowedCall, find_module
 
 if TYPE_CHECKING:
-    from vlens.mapping import ExplicitAttention
+    from vlens.runtime.locations import ExplicitAttention
 
 #: What fills a kept stage where a request's rows have no value: keys after a query (scores at
 #: -inf, pattern at 0) and nothing else (results never have gaps).
@@ -106,11 +106,15 @@ def _joined(stage: str, steps: list[tuple[int, Tensor]]) -> Tensor:
 #: Which of a layer's modules a hook sits on: the attention kernel or the output projection.
 Role = Literal["kernel", "projection"]
 
-#: A request served by a layer's hook this step: its rows, its state there and its capture.
-Served = tuple[RequestRows, LayerAttention, RequestCapture]
+class Attended(NamedTuple):
+    """A request served by a layer's hook this step."""
+
+    rows: RequestRows
+    state: LayerAttention  # its state at this layer
+    capture: RequestCapture
 
 #: What runs one hook's stages for a batch of requests (one request, or a call's batch).
-Stage = Callable[[list[Served], list[NarrowedCall]], None]
+Stage = Callable[[list[Attended], list[NarrowedCall]], None]
 
 
 class AttentionSites:
@@ -171,33 +175,33 @@ class AttentionSites:
 
     # ---- in the forward ----------------------------------------------------------------------
 
-    def _served(self, path: str, role: Role) -> list[Served]:
+    def _served(self, path: str, role: Role) -> list[Attended]:
         """This step's rows of the requests with a state under this hook, still without error."""
         served = []
         for rows in self.layout() or ():
             state = self.layers.get((rows.tag, path, role))
             capture = self.captures.get(rows.tag)
             if state is not None and capture is not None and capture.error is None:
-                served.append((rows, state, capture))
+                served.append(Attended(rows, state, capture))
         return served
 
-    def _batches(self, path: str, role: Role) -> list[list[Served]]:
+    def _batches(self, path: str, role: Role) -> list[list[Attended]]:
         """The served requests as they run this hook's stages: a call's requests together
         where their hook functions are shared and their plans and rows alike, else alone."""
         served = self._served(path, role)
         if len(served) < 2:
             return [served] if served else []
 
-        def key(member: Served) -> tuple[str, int, int] | None:
-            rows, state, _ = member
-            return rows_key(rows) if state.plan.shared and state.call_size > 1 else None
+        def key(member: Attended) -> tuple[str, int, int] | None:
+            shared = member.state.plan.shared and member.state.call_size > 1
+            return rows_key(member.rows) if shared else None
 
         return in_batches(
             served,
             key,
-            lambda member: member[1].call_size,
-            lambda member: member[1].index,
-            lambda first, other: first[1].plan == other[1].plan,
+            lambda member: member.state.call_size,
+            lambda member: member.state.index,
+            lambda first, other: first.state.plan == other.state.plan,
         )
 
     def _fired(self, path: str, role: Role, run: Stage):
@@ -215,8 +219,8 @@ class AttentionSites:
         return self._fired(path, "projection", self._project)
 
     @torch.no_grad()
-    def _attend(self, batch: list[Served], calls: list[NarrowedCall]) -> None:
-        attention = batch[0][1].plan.attention
+    def _attend(self, batch: list[Attended], calls: list[NarrowedCall]) -> None:
+        attention = batch[0].state.plan.attention
         scores, histories = [], []
         for (rows, state, _), call in zip(batch, calls):
             n = rows.stop - rows.start
@@ -242,8 +246,8 @@ class AttentionSites:
             call.assign_output(None, z.to(out.dtype))
 
     @torch.no_grad()
-    def _project(self, batch: list[Served], calls: list[NarrowedCall]) -> None:
-        attention = batch[0][1].plan.attention
+    def _project(self, batch: list[Attended], calls: list[NarrowedCall]) -> None:
+        attention = batch[0].state.plan.attention
         results, biases = [], []
         for (rows, _, _), call in zip(batch, calls):
             z = call.argument(attention.projection_input.index, attention.projection_input.name)
@@ -270,18 +274,20 @@ class AttentionSites:
         return self.weights[key]
 
     def _stage(
-        self, batch: list[Served], stage: str, values: list[Tensor]
+        self, batch: list[Attended], stage: str, values: list[Tensor]
     ) -> tuple[list[Tensor], bool]:
         """Each request's ``value`` (without the batch axis) through the stage's hook functions,
         once for the batch, and kept where its plan keeps the stage; whether a function changed
         them."""
-        first = batch[0][1].plan
+        first = batch[0].state.plan
         functions = first.hooks.get(stage, ())
         edited = False
         if functions:
             batched = hook_batch(values)
-            indices = tuple(state.index for _, state, _ in batch)
-            name, rows = first.names[stage], [rows for rows, _, _ in batch]
+            indices = tuple(member.state.index for member in batch)
+            name, rows = first.names[stage], [member.rows for member in batch]
+            if first.shared:
+                refuse_part_of_a_prefill(name, functions, rows, indices)
             hook = hook_point(name, rows, indices, batched.device, self.contexts)
             batched, edited = call_hooks(functions, batched, hook)
             values = list(batched.unbind(0))
@@ -291,18 +297,18 @@ class AttentionSites:
         return values, edited
 
 
-def _guarded(batch: list[Served], run: Stage, calls: list[NarrowedCall]) -> None:
+def _guarded(batch: list[Attended], run: Stage, calls: list[NarrowedCall]) -> None:
     """``run(batch, calls)``; a failure is recorded for every request of the batch (raised to the
     caller after the call) and stops their hooks."""
     try:
         run(batch, calls)
     except HookError as error:
-        for _, _, capture in batch:
+        for capture in (member.capture for member in batch):
             capture.error, capture.cause = str(error), error.__cause__
-    except Exception:  # noqa: BLE001 - reported to the caller after the call
-        names = ", ".join(batch[0][1].plan.names.values())
+    except Exception:
+        names = ", ".join(batch[0].state.plan.names.values())
         message = f"while computing attention for {names}:\n{traceback.format_exc()}"
-        for _, _, capture in batch:
+        for capture in (member.capture for member in batch):
             capture.error = message
 
 

@@ -77,7 +77,7 @@ def _element(result: object, element: int | None) -> Tensor:
 @torch.no_grad()
 def projection_weights(
     module: nn.Module, width: int, element: int | None, like: Tensor, block: int = 1024
-) -> tuple[Float[Tensor, "width d_model"], Float[Tensor, "d_model"]]:
+) -> tuple[Float[Tensor, "width d_model"], Float[Tensor, " d_model"]]:
     """``W_O`` (``[width, d_model]``: row ``i`` is what input channel ``i`` adds) and ``b_O`` (zeros
     without a bias) of vLLM's output projection, read off the module itself by applying it to the
     identity and to zeros: vLLM's CPU backend repacks linear weights and leaves no usable

@@ -26,8 +26,8 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import TypeVar
 
-from vlens.locations import Site
 from vlens.runtime.layout import RequestRows
+from vlens.runtime.locations import Site
 from vlens.runtime.messages import NamePlan, RequestPlan
 
 Member = TypeVar("Member")

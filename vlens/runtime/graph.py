@@ -33,13 +33,14 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from vlens.locations import Site
-from vlens.readers import LogitsOf, Reader
 from vlens.runtime.host_stream import HostStream, Slot
 from vlens.runtime.layout import RequestRows, StepRows
+from vlens.runtime.locations import Site
 from vlens.runtime.messages import PaddedRows
 from vlens.runtime.patches import apply_cpu_patches
+from vlens.runtime.readers import LogitsOf, Reader
 from vlens.runtime.sites import NarrowedCall, install_site
+from vlens.runtime.steering import Steer, steered
 from vlens.runtime.step_store import (
     Segment,
     StepStore,
@@ -49,7 +50,6 @@ from vlens.runtime.step_store import (
     segments_of,
 )
 from vlens.runtime.tensor_parallel import TensorParallel
-from vlens.steering import Steer, steered
 
 
 @dataclass(frozen=True)
@@ -131,15 +131,15 @@ class CallState:
     """What the requests being served asked of the graph (cleared when they finish)."""
 
     #: tag -> the names it keeps
-    keep: dict[str, frozenset[str]] = field(default_factory=dict)
+    kept_names: dict[str, frozenset[str]] = field(default_factory=dict)
     #: tag -> name -> (its entry in that name's table, the steer)
     steering: dict[str, dict[str, tuple[int, Steer]]] = field(default_factory=dict)
     #: name -> every steer's (add, gain, ablate) terms; ``stacked``: the same on the device
     tables: dict[str, list[Terms]] = field(default_factory=lambda: defaultdict(list))
     stacked: dict[str, Terms] = field(default_factory=dict)
-    kept: StepStore = field(default_factory=StepStore)
+    store: StepStore = field(default_factory=StepStore)
     #: the call's kept rows written into the host's cache as steps end (:mod:`host_stream`),
-    #: where the call gave each request its :class:`Slot`; else they wait in :attr:`kept`
+    #: where the call gave each request its :class:`Slot`; else they wait in :attr:`store`
     stream: HostStream | None = None
 
 
@@ -175,13 +175,13 @@ class GraphSites:
         parallel = TensorParallel.of_this_worker()
         #: under tensor parallelism: values split over ranks are gathered inside the graph (a
         #: collective every rank runs), steering is written back as each rank's own slice, and
-        #: each captured name's rows are kept by one rank for the user's process (every rank
+        #: each captured name's rows are handed back by one rank to the user's process (every rank
         #: holds the whole value), the names dealt out in turn: under CUDA each rank hands its
         #: share back from its own GPU, and the copies to the host run side by side
         self.parallel = parallel if parallel.size > 1 else None
         captured = sorted(g.name for g in names if g.capture)
-        self.kept_here = frozenset(captured[parallel.rank :: parallel.size])
-        #: every rank copies out every captured name, kept here or not: a value gathered over
+        self.handed_back_here = frozenset(captured[parallel.rank :: parallel.size])
+        #: every rank copies out every captured name, handed back here or not: a value gathered over
         #: the ranks that one rank left unused would lose its gather to the compiler there, and
         #: the ranks' collectives would no longer match
         self.captured = {
@@ -242,10 +242,10 @@ class GraphSites:
         (its place in its call, which keeps its cache on the host), its kept rows go to the host
         as steps end."""
         self.revision += 1
-        self.call.keep[tag] = keep
+        self.call.kept_names[tag] = keep
         if slot is not None and HostStream.available(self.device):
             if self.call.stream is None:
-                if self.call.kept.entries or len(self.call.keep) > 1:
+                if self.call.store.entries or len(self.call.kept_names) > 1:
                     raise RuntimeError(f"request {tag} has a slot, the call's others had none")
                 self.call.stream = HostStream(slot.batch, self.device, slot.shared)
             self.call.stream.follow(tag, slot)
@@ -311,8 +311,8 @@ class GraphSites:
         asked = self.asked()
         if not asked.kept or layout is None:
             return
-        keep = self.call.keep
-        keepers = [request for request in layout if keep.get(request.tag)]
+        kept_names = self.call.kept_names
+        keepers = [request for request in layout if kept_names.get(request.tag)]
         if not keepers:
             return
         step = (layout.key, self.revision)
@@ -331,22 +331,22 @@ class GraphSites:
             read = self.names[name].read
             assert isinstance(read, LogitsOf)
             rows = read.logits(self.model, copy_rows(self.captured[name], selection))
-            if name in self.kept_here:
-                self._keep([name], rows[None], segments)
+            if name in self.handed_back_here:
+                self._store([name], rows[None], segments)
         for shape_names in asked.by_shape:
             rows = self._selected_rows(shape_names, selection)
             if stream is not None and self.device.type == "cpu":
                 # scattered before the next step: views (or gathers) of the buffers do
-                self._keep(shape_names, rows, segments)
+                self._store(shape_names, rows, segments)
             else:  # side by side in a tensor of their own: one copy for all
-                self._keep(shape_names, torch.stack(rows), segments)
+                self._store(shape_names, torch.stack(rows), segments)
         if stream is not None:
             stream.end_step()
 
     def asked(self) -> Asked:
         """What the requests being served ask (see :class:`Asked`)."""
         if self._asked_for is None or self._asked_for[0] != self.revision:
-            kept = frozenset().union(*self.call.keep.values())
+            kept = frozenset().union(*self.call.kept_names.values())
             positional = frozenset(
                 name
                 for own in self.call.steering.values()
@@ -358,7 +358,7 @@ class GraphSites:
             for name in sorted(kept & self.captured.keys()):
                 if isinstance(self.names[name].read, LogitsOf):
                     logits.append(name)
-                elif name in self.kept_here:
+                elif name in self.handed_back_here:
                     by_shape[self.names[name].trailing].append(name)
             shapes = tuple(tuple(names) for names in by_shape.values())
             self._asked_for = (self.revision, Asked(kept, positional, tuple(logits), shapes))
@@ -374,13 +374,13 @@ class GraphSites:
             self._row_views[names] = [self.captured[name][selection] for name in names]
         return self._row_views[names]
 
-    def _keep(self, names: Sequence[str], rows: Sequence[Tensor], segments: list[Segment]) -> None:
+    def _store(self, names: Sequence[str], rows: Sequence[Tensor], segments: list[Segment]) -> None:
         """One step's ``rows[i]`` of ``names[i]``, to the host or into the call's store."""
         if self.call.stream is not None:
             self.call.stream.write(names, rows)
             return
         for name, name_rows in zip(names, rows):
-            self.call.kept.add(name, segments, name_rows)
+            self.call.store.add(name, segments, name_rows)
 
     def finish(self, tags: Sequence[str], device: str = "cpu") -> dict[str, PaddedRows]:
         """The finished requests' kept rows, on ``device`` (see :class:`StepStore`). Forgets
@@ -389,21 +389,21 @@ class GraphSites:
             if self.call.stream is not None:
                 if device != "cpu":
                     raise ValueError(f"this call's rows went to the host, not to {device}")
-                return self.call.stream.take(tags, self.call.keep)
-            return self.call.kept.take(tags, self.call.keep, device)
+                return self.call.stream.take(tags, self.call.kept_names)
+            return self.call.store.take(tags, self.call.kept_names, device)
         finally:
             self.revision += 1
             for tag in tags:
-                self.call.keep.pop(tag, None)
+                self.call.kept_names.pop(tag, None)
                 self.call.steering.pop(tag, None)
-            if not self.call.keep:
+            if not self.call.kept_names:
                 if self.call.stream is not None:
                     self.call.stream.end_call()
                 self.call = CallState()
                 for buffers in self.steering.values():
                     buffers.reset()
             else:  # requests overlap (a server): forget only what the finished ones held
-                self.call.kept.keep_only(set(self.call.keep))
+                self.call.store.forget_others(set(self.call.kept_names))
                 self._compact_tables()
 
     # ---- helpers -----------------------------------------------------------------------------

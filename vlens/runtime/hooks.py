@@ -24,9 +24,9 @@ import torch
 from einops import rearrange
 from torch import Tensor
 
-from vlens.readers import writable
 from vlens.runtime.layout import RequestRows
 from vlens.runtime.messages import HookError, HookFunction, NamePlan
+from vlens.runtime.readers import writable
 from vlens.runtime.sites import NarrowedCall
 
 
@@ -122,6 +122,30 @@ def run_hooks(
         )
     new = rows_from_hook(plan, value).flatten(0, 1)
     plan.read.write(call, new.to(original.dtype))
+
+
+def refuse_part_of_a_prefill(
+    name: str,
+    functions: Sequence[HookFunction],
+    rows: Sequence[RequestRows],
+    indices: tuple[int, ...],
+) -> None:
+    """A hook function shared by a call's prompts is TransformerLens's: it sees each prompt's
+    whole prefill at once, and may index it at absolute positions. Where vLLM split a prefill
+    over engine steps (an engine built with a ``max_num_batched_tokens`` below the prompt's
+    length), running it on a step's part would edit the wrong rows: refused instead."""
+    for own, index in zip(rows, indices):
+        rows_run = own.stop - own.start
+        if own.is_prefill and (own.first_position > 0 or rows_run < own.prompt_length):
+            raise HookError(
+                f"hook function {function_name(functions[0])} on {name}: vLLM split prompt "
+                f"{index}'s prefill ({own.prompt_length} tokens) over engine steps, so this step "
+                f"holds only its positions {own.first_position}-{own.first_position + rows_run - 1}"
+                f", where TransformerLens hands a hook the whole prompt. Build the model without "
+                f"max_num_batched_tokens (vlens then prefills every prompt in one step) or with "
+                f"max_num_batched_tokens >= {own.prompt_length}; or pass the function in "
+                f"prompt_hooks, whose functions see each step's rows (hook.positions)"
+            )
 
 
 def batch_call(calls: Sequence[NarrowedCall], rows: Sequence[RequestRows]) -> NarrowedCall:

@@ -18,9 +18,10 @@ pinned host memory by the GPU's copy engines, as pitched copies of the requests'
 to them. At most :data:`IN_FLIGHT` steps' clones wait for their transfer, which bounds the GPU
 memory the captures hold whatever the call's size. On the CPU the scatter is the copy.
 
-Two other ways measured slower on an H200 (``bench/RESULTS.md``, 2026-12-01): the SMs scattering
-the rows into the pinned cache through the GPU's view of it (unified addressing: every layer's
-generation at 0.84× plain compiled, against 0.94× this way), and staging each step's rows by DMA
+Two other ways measured slower on an H200 (``docs/NOTES.md``, "Kept rows to the host, one
+GPU"): the SMs scattering the rows into the pinned cache through the GPU's view of it (unified
+addressing: every layer's generation at 0.84× plain compiled, against 0.94× this way), and
+staging each step's rows by DMA
 and scattering them on the host into an ordinary cache (0.35×: the host's scatter ran at
 ~4.5 GB/s inside vLLM, cause not established).
 """
@@ -152,7 +153,7 @@ class HostStream:
             self._transfers.popleft().event.synchronize()
 
     def take(
-        self, tags: Sequence[str], keeps: Mapping[str, frozenset[str]]
+        self, tags: Sequence[str], kept_names: Mapping[str, frozenset[str]]
     ) -> dict[str, PaddedRows]:
         """Every kept name as :class:`PaddedRows` whose request ``i`` is ``tags[i]``; zero where
         a request kept nothing (padding, a name it does not keep, rows vLLM replaced)."""
@@ -165,7 +166,7 @@ class HostStream:
         layouts: dict[frozenset[int], tuple[int, list[list[Span]]]] = {}  # names share steps
         runs = StepRuns.joined(self.steps)
         for name, host in self.host.items():
-            keepers = frozenset(index_of[tag] for tag in tags if name in keeps.get(tag, ()))
+            keepers = frozenset(index_of[tag] for tag in tags if name in kept_names.get(tag, ()))
             if not keepers:
                 continue
             if keepers not in layouts:

@@ -34,6 +34,7 @@ import numpy as np
 
 from vlens.runtime.messages import TAG_KEY
 
+
 @dataclass(slots=True)
 class RequestRows:
     """Rows ``start:stop`` of this step belong to request ``tag``, from sequence position

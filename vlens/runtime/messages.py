@@ -3,7 +3,7 @@ a process boundary): what a request asks for (its plan, recognised by the tag in
 parameters), what the workers hand back when requests finish (captured rows, errors), and what a
 watched generation recorded about the module tree.
 
-Plans carry the mapping's readers (frozen dataclasses), :class:`~vlens.steering.Steer` values and
+Plans carry the mapping's readers (frozen dataclasses), :class:`~vlens.runtime.steering.Steer` values and
 the user's hook functions; hand-backs carry tensors and strings. Worker processes receive plans
 cloudpickled (hook functions are often closures).
 """
@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
-from vlens.locations import Site
-from vlens.readers import Reader
-from vlens.steering import Steer
+from vlens.runtime.locations import Site
+from vlens.runtime.readers import Reader
+from vlens.runtime.steering import Steer
 
 if TYPE_CHECKING:
-    from vlens.mapping import AttentionStage, ExplicitAttention
+    from vlens.runtime.locations import AttentionStage, ExplicitAttention
 
 #: The key of ``SamplingParams.extra_args`` that tags a request with its call and index.
 TAG_KEY = "vlens_tag"

@@ -29,6 +29,7 @@ process has let go of it (:func:`collect_handed_back`).
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import io
 import os
@@ -136,6 +137,14 @@ def collect_handed_back() -> None:
         torch.cuda.ipc_collect()
 
 
+def remove_written() -> None:
+    """Remove every file this process wrote that no reader took (its reader is gone)."""
+    for path in list(_written):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    _written.clear()
+
+
 def remove_unread(call: str) -> None:
     """Remove the files of ``call`` that no :func:`loads` took (after a call some rank failed)."""
     for folder in {SHARED_MEMORY, tempfile.gettempdir()}:
@@ -165,6 +174,8 @@ class _SharingPickler(_ArrayPickler):
         path = os.path.join(_folder_for(nbytes), f"{_PREFIX}{self.call}-{uuid.uuid4().hex}")
         shared = torch.from_file(path, shared=True, size=obj.numel(), dtype=obj.dtype)
         shared.view(obj.shape).copy_(obj)
+        _forget_read()
+        _written.add(path)
         return ("shared-tensor", path, str(obj.dtype).removeprefix("torch."), tuple(obj.shape))
 
 
@@ -199,6 +210,16 @@ class _MappingUnpickler(pickle.Unpickler):
         self.opened.append(opened)
         host = torch.empty(opened.shape, dtype=opened.dtype, pin_memory=True)
         return host.copy_(opened, non_blocking=True)
+
+
+#: The files this process wrote for a reader: the reader removes each once it has mapped it.
+_written: set[str] = set()
+
+
+def _forget_read() -> None:
+    """Drop the files a reader has removed from :data:`_written` (it only grows as calls go)."""
+    if len(_written) > 64:
+        _written.intersection_update(path for path in _written if os.path.exists(path))
 
 
 def _folder_for(nbytes: int) -> str:

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from vlens.locations import Site, Split
 from vlens.runtime.layout import RequestRows
+from vlens.runtime.locations import Site, Split
 from vlens.runtime.tensor_parallel import TensorParallel
 
 
@@ -32,7 +32,7 @@ def narrow(value: Any, rows: RequestRows | None, index: Tensor | None = None) ->
 
 @dataclass
 class NarrowedCall:
-    """One module call, seen through one request's rows (see :class:`vlens.locations.SiteCall`),
+    """One module call, seen through one request's rows (see :class:`vlens.runtime.locations.SiteCall`),
     or whole (``rows`` None: the graph tier's traced hooks).
 
     Accessors return views into vLLM's tensors; a value split over tensor-parallel ranks

@@ -60,9 +60,9 @@ class StepStore:
         self.entries[name].append((segments, rows))
 
     def take(
-        self, tags: Sequence[str], keeps: Mapping[str, frozenset[str]], device: str
+        self, tags: Sequence[str], kept_names: Mapping[str, frozenset[str]], device: str
     ) -> dict[str, PaddedRows]:
-        """Every name some of ``tags`` keep (``keeps[tag]``), as :class:`PaddedRows` on
+        """Every name some of ``tags`` keep (``kept_names[tag]``), as :class:`PaddedRows` on
         ``device`` whose request ``i`` is ``tags[i]``."""
         index_of = {tag: index for index, tag in enumerate(tags)}
         layouts: dict[tuple, _Layout] = {}
@@ -70,7 +70,7 @@ class StepStore:
         destination = torch.device(device)
         from_gpu = False
         for name, steps in self.entries.items():
-            keepers = frozenset(index_of[tag] for tag in tags if name in keeps.get(tag, ()))
+            keepers = frozenset(index_of[tag] for tag in tags if name in kept_names.get(tag, ()))
             if not keepers:
                 continue
             key = (tuple(id(segments) for segments, _ in steps), keepers)
@@ -86,7 +86,7 @@ class StepStore:
     def clear(self) -> None:
         self.entries.clear()
 
-    def keep_only(self, tags: set[str]) -> None:
+    def forget_others(self, tags: set[str]) -> None:
         """Forget the steps none of whose rows belong to ``tags`` (the requests still running):
         where requests keep arriving, the store never empties, and finished requests' steps
         would otherwise stay."""
@@ -314,7 +314,7 @@ def add_chunk(chunks: list[Chunk], chunk: Chunk) -> None:
         chunks.pop()
     if chunks:
         last = chunks[-1]
-        keep = chunk.first_position - last.first_position
-        if keep < len(last.value):
-            chunks[-1] = Chunk(last.first_position, last.value[:keep])
+        before = chunk.first_position - last.first_position  # the rows before the new ones
+        if before < len(last.value):
+            chunks[-1] = Chunk(last.first_position, last.value[:before])
     chunks.append(chunk)

@@ -1,7 +1,7 @@
 """The worker side of vlens: one :class:`WorkerRuntime` per vLLM worker.
 
 The user's process hands it, before a call, what each request (by tag) wants: names to keep and
-hook functions to run (a :class:`~vlens.runtime.plan.RequestPlan`). It installs a torch hook on
+hook functions to run (a :class:`~vlens.runtime.messages.RequestPlan`). It installs a torch hook on
 every site those names need and no other; during the call each site narrows the step to each
 followed request's rows, runs the hook functions (which may edit) — once on a call's batch where
 its requests run together (:mod:`vlens.runtime.batches`), else per request — and keeps the values
@@ -19,19 +19,19 @@ from __future__ import annotations
 import signal
 import threading
 import traceback
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
 
-from vlens.locations import Site
-from vlens.runtime import host_blocks
+from vlens.runtime import host_blocks, orphans
 from vlens.runtime.attention import AttentionSites, unsupported
 from vlens.runtime.batches import batched_sites, call_of, in_batches, shape_key
 from vlens.runtime.graph import GraphSites
-from vlens.runtime.hooks import run_hooks
+from vlens.runtime.hooks import refuse_part_of_a_prefill, run_hooks
 from vlens.runtime.host_stream import Slot
 from vlens.runtime.layout import Followed, RequestRows, StepRows, follow_steps, mark_sampling
+from vlens.runtime.locations import Site
 from vlens.runtime.messages import (
     Chunk,
     Handback,
@@ -47,8 +47,14 @@ from vlens.runtime.sites import NarrowedCall, buffers_of, install_site, read_row
 from vlens.runtime.step_store import Segment, StepStore, add_chunk, copy_rows, kept_rows
 from vlens.runtime.tensor_parallel import TensorParallel
 
-#: A request served at a site this step: its rows, plan, names at the site and capture.
-Served = tuple[RequestRows, RequestPlan, tuple[NamePlan, ...], RequestCapture]
+
+class Served(NamedTuple):
+    """A request served at a site this step."""
+
+    rows: RequestRows
+    plan: RequestPlan
+    names: tuple[NamePlan, ...]  # its names at the site, in order
+    capture: RequestCapture
 
 
 class WorkerRuntime:
@@ -60,7 +66,7 @@ class WorkerRuntime:
         self.model: nn.Module = runner.get_model()
         self.wanted: dict[str, RequestPlan] = {}
         self.captures: dict[str, RequestCapture] = {}
-        self.kept = StepStore()  # whole steps' rows of names read without hooks
+        self.store = StepStore()  # whole steps' kept rows of names read without hooks
         #: this step's kept rows by the tags that keep them (:func:`kept_rows`), for every name
         self.step_rows: dict[tuple[str, ...], tuple[slice | Tensor, list[Segment]]] = {}
         self.contexts: dict[str, dict[str, Any]] = {}
@@ -79,7 +85,7 @@ class WorkerRuntime:
         )
         parallel = TensorParallel.of_this_worker()
         self.parallel = parallel if parallel.size > 1 else None
-        self.keeps = parallel.rank == 0
+        self.hands_back = parallel.rank == 0  # one rank hands results back
         self._wrap_model_forward()
         apply_cpu_patches(self.model)
 
@@ -116,11 +122,11 @@ class WorkerRuntime:
         """Hand back (on ``device``) and forget what these requests captured; drop sites nobody
         needs now. The requests are forgotten even when handing back fails."""
         captures = {tag: self.captures.pop(tag) for tag in tags}
-        keeps = {tag: self.wanted[tag].kept_names() for tag in tags if tag in self.wanted}
+        kept_names = {tag: self.wanted[tag].kept_names() for tag in tags if tag in self.wanted}
         try:
             for tag, formed in self.attention.finish(tags, device).items():
                 captures[tag].formed.update(formed)
-            padded = self.kept.take(tags, keeps, device)
+            padded = self.store.take(tags, kept_names, device)
             if self.graph is not None:
                 traced = self.graph.finish(tags, device)
                 assert not traced.keys() & padded.keys(), "a traced name was also read eagerly"
@@ -138,7 +144,7 @@ class WorkerRuntime:
             if not self.wanted:
                 self.followed.clear()
                 self.furthest.clear()
-                self.kept.clear()
+                self.store.clear()
             else:  # requests overlap (a server): forget only the finished ones
                 finished = set(tags)
                 for req_id, known in list(self.followed.items()):
@@ -146,7 +152,14 @@ class WorkerRuntime:
                         del self.followed[req_id]
                 for tag in tags:
                     self.furthest.pop(tag, None)
-                self.kept.keep_only(set(self.wanted))
+                self.store.forget_others(set(self.wanted))
+
+    def holds(self) -> dict[str, int]:
+        """How many requests this worker follows and holds captures of, and how many sites are
+        installed: all zero once every request has finished (the server's status)."""
+        graph = len(self.graph.call.kept_names) if self.graph is not None else 0
+        return {"requests": len(self.wanted), "captures": len(self.captures),
+                "sites": len(self.handles), "graph_requests": graph}
 
     def module_tree(self) -> str:
         return repr(self.model)
@@ -172,10 +185,15 @@ class WorkerRuntime:
     def leave_interrupts_to_the_user(self) -> None:
         """In a worker process of its own: ignore SIGINT, which a Ctrl-C sends to the user's
         whole process group and on which vLLM's workers exit; the user's process stops the call
-        (:mod:`vlens.interrupts`). The worker still ends with the engine (vLLM's shutdown, or
+        (:mod:`vlens.engine.interrupts`). The worker still ends with the engine (vLLM's shutdown, or
         the user's process ending)."""
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def exit_with_the_user(self) -> None:
+        """In a worker process of its own: exit once the user's process is gone, killed from
+        outside (:mod:`vlens.runtime.orphans`)."""
+        orphans.exit_with_parent()
 
     def gpu_probe(self) -> Tensor:
         """A small tensor on this worker's device: whether the user's process can open what
@@ -228,13 +246,13 @@ class WorkerRuntime:
                 names = plan.sites.get(site) if plan is not None else None
                 capture = self.captures.get(rows.tag)
                 if names and capture is not None and capture.error is None:
-                    served.append((rows, plan, names, capture))
+                    served.append(Served(rows, plan, names, capture))
             if not served:
                 return
-            hooked = any(name.hooks for *_, names, _ in served for name in names)
+            hooked = any(name.hooks for entry in served for name in entry.names)
             if site.event != "sampled" and not hooked:
                 whole = NarrowedCall(self.model, None, args, kwargs, output, self.parallel)
-                self._keep_whole_step(served, whole)
+                self._read_whole_step(served, whole)
                 return
             buffers = buffers_of(args, kwargs, output)  # to tell a reader's views from new values
             for batch in self._batches(site, served):
@@ -242,7 +260,7 @@ class WorkerRuntime:
                     NarrowedCall(self.model, rows, args, kwargs, output, self.parallel, buffers)
                     for rows, *_ in batch
                 ]
-                self._serve(batch, calls)
+                self._serve(batch, calls, site.event == "sampled")
 
         return on_call
 
@@ -253,40 +271,43 @@ class WorkerRuntime:
             return [[entry] for entry in served]
 
         def key(entry: Served) -> tuple[str, int, bool] | None:
-            rows = entry[0]
+            rows = entry.rows
             return shape_key(rows) if (call_of(rows.tag), site) in self.batched else None
 
-        return in_batches(served, key, lambda e: e[1].call_size, lambda e: e[1].index)
+        return in_batches(served, key, lambda e: e.plan.call_size, lambda e: e.plan.index)
 
-    def _serve(self, batch: list[Served], calls: list[NarrowedCall]) -> None:
+    def _serve(self, batch: list[Served], calls: list[NarrowedCall], sampled: bool) -> None:
         """Run the names of a site, in order, for these requests (one, or a call's batch, all
         with the same names): hook functions on their value (batched), then their kept rows.
-        A failure is recorded for every request of the batch and stops their hooks here."""
-        rows = [entry[0] for entry in batch]
-        indices = tuple(entry[1].index for entry in batch)
-        captures = [entry[3] for entry in batch]
-        for name in batch[0][2]:
+        A failure is recorded for every request of the batch and stops their hooks here.
+        ``sampled``: the site is the sampler's (one row per sampled token, no prefill)."""
+        rows = [entry.rows for entry in batch]
+        indices = tuple(entry.plan.index for entry in batch)
+        captures = [entry.capture for entry in batch]
+        for name in batch[0].names:
             try:
                 if name.hooks:
+                    if name.shared and not sampled:
+                        refuse_part_of_a_prefill(name.name, name.hooks, rows, indices)
                     run_hooks(name, calls, rows, indices, self.contexts)
                 if name.keep:
                     for call, own, capture in zip(calls, rows, captures):
-                        # Every rank reads (a split value is gathered, a collective); one keeps,
-                        # so that results come back once.
+                        # Every rank reads (a split value is gathered, a collective); one hands
+                        # back, so that results come back once.
                         value = read_rows(call, name.read)
-                        if self.keeps and value is not None:
+                        if self.hands_back and value is not None:
                             add_chunk(capture.chunks[name.name], Chunk(own.first_position, value))
             except HookError as error:
                 for capture in captures:
                     capture.error, capture.cause = str(error), error.__cause__
                 break
-            except Exception:  # noqa: BLE001 - reported to the caller after the call
+            except Exception:
                 message = f"while reading {name.name}:\n{traceback.format_exc()}"
                 for capture in captures:
                     capture.error = message
                 break
 
-    def _keep_whole_step(self, served: list, call: NarrowedCall) -> None:
+    def _read_whole_step(self, served: list[Served], call: NarrowedCall) -> None:
         """No hook runs here this step: read each name once over the whole step and copy out
         the rows of the requests that keep it (see :mod:`vlens.runtime.step_store`)."""
         by_name: dict[str, tuple[NamePlan, list[tuple[RequestRows, RequestCapture]]]] = {}
@@ -296,14 +317,14 @@ class WorkerRuntime:
         for name, (plan, keepers) in by_name.items():
             try:
                 value = plan.read(call)  # every rank reads: a split value is gathered
-                if self.keeps:
+                if self.hands_back:
                     requests = [rows for rows, _ in keepers]
                     tags = tuple(rows.tag for rows in requests)
                     if tags not in self.step_rows:
                         self.step_rows[tags] = kept_rows(requests, value.device)
                     selection, segments = self.step_rows[tags]
-                    self.kept.add(name, segments, copy_rows(value, selection))
-            except Exception:  # noqa: BLE001 - reported to each request after the call
+                    self.store.add(name, segments, copy_rows(value, selection))
+            except Exception:
                 for _, capture in keepers:
                     capture.error = f"while reading {name}:\n{traceback.format_exc()}"
 

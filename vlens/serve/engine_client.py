@@ -22,7 +22,7 @@ from typing import Any
 from torch import Tensor
 from vllm.sampling_params import RequestOutputKind
 
-from vlens.engine import WorkerCall
+from vlens.engine.link import WorkerCall
 from vlens.runtime.messages import TAG_KEY, Handback
 from vlens.serve.model import Planned, ServedModel
 from vlens.serve.store import ActivationStore
@@ -107,11 +107,14 @@ class VlensEngineClient:
         tag = f"serve-{next(_serial)}:0"
         extra[TAG_KEY] = tag
         sampling_params.extra_args = extra
-        await self._on_workers("prepare", {tag: planned.plan})
+        # A client that leaves cancels this task: the workers still finish what they were asked,
+        # and forget the request (shielded: the calls go on while the task is cancelled).
+        prepared = asyncio.ensure_future(self._on_workers("prepare", {tag: planned.plan}))
         deltas = sampling_params.output_kind == RequestOutputKind.DELTA  # streamed: new tokens only
         prompt_tokens: list[int] | None = None
         sampled: list[int] = []
         try:
+            await asyncio.shield(prepared)
             async for output in self._engine.generate(
                 prompt, sampling_params, request_id, *args, **kwargs
             ):
@@ -124,8 +127,8 @@ class VlensEngineClient:
                     sampled = new
                 yield output
         finally:
-            handback = Handback.of_ranks(await self._on_workers("finish", [tag], "cpu"))
-        if planned.names and prompt_tokens is not None:
+            handback = await asyncio.shield(asyncio.ensure_future(self._forget(prepared, tag)))
+        if planned.names and prompt_tokens is not None and handback is not None:
             # Off the event loop: assembling and serialising a capture is tensor work.
             values = await asyncio.to_thread(
                 self.served.activations, planned, tag, handback, prompt_tokens, sampled
@@ -135,6 +138,26 @@ class VlensEngineClient:
             self.captured[request_id] = Captured(key, shapes)
             while len(self.captured) > MAX_UNCLAIMED:  # responses that were never written
                 self.captured.pop(next(iter(self.captured)))
+
+    async def _forget(self, prepared: asyncio.Future, tag: str) -> Handback | None:
+        """The workers' hand-back of request ``tag`` once its preparation is done, and the
+        request forgotten there; None where the preparation failed (nothing to forget)."""
+        try:
+            await prepared
+        except Exception:
+            return None
+        return Handback.of_ranks(await self._on_workers("finish", [tag], "cpu"))
+
+    async def status(self) -> dict[str, Any]:
+        """What the server holds now: the activation store, captures whose response was never
+        written, admitted plans, and what each worker follows (all zero on an idle server, but
+        the store's unfetched captures)."""
+        return {
+            "store": self.store.status(),
+            "unclaimed_captures": len(self.captured),
+            "tickets": len(self.tickets),
+            "workers": await self._on_workers("holds"),
+        }
 
     async def _on_workers(self, method: str, *args: Any) -> list[Any]:
         """``WorkerRuntime.<method>(*args)`` on every worker (as ``Engine._on_workers`` does for

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from vlens.steering import Steer
+from vlens.runtime.steering import Steer
 
 #: The keys of the ``vlens`` object and of one of its steering entries.
 REQUEST_KEYS = frozenset({"steering", "capture"})
@@ -52,12 +52,12 @@ def read_fields(value: Any, vectors: Mapping[str, Tensor]) -> VlensFields:
         raise BadVlensField(f"vlens: unknown field(s) {unknown}; known: {sorted(REQUEST_KEYS)}")
     steering = value.get("steering", [])
     if not isinstance(steering, list):
-        raise BadVlensField(f"vlens.steering must be a list, got {_json_type(steering)}")
+        raise BadVlensField(f"vlens.runtime.steering must be a list, got {_json_type(steering)}")
     capture = value.get("capture", [])
     if not isinstance(capture, list) or not all(isinstance(name, str) for name in capture):
         raise BadVlensField("vlens.capture must be a list of hook names (strings)")
     steers = tuple(
-        _steer(entry, f"vlens.steering[{index}]", vectors) for index, entry in enumerate(steering)
+        _steer(entry, f"vlens.runtime.steering[{index}]", vectors) for index, entry in enumerate(steering)
     )
     return VlensFields(steers, tuple(capture))
 

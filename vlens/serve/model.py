@@ -17,11 +17,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from vlens.cache import assemble
-from vlens.compiled import CompiledNames
-from vlens.engine import Run
-from vlens.hooked import HookedVLLM, checkpoint_of
-from vlens.names import select_names
+from vlens.engine.cache import assemble
+from vlens.engine.link import Run
+from vlens.hooked.model import HookedVLLM, checkpoint_of
+from vlens.names.compiled import CompiledNames
+from vlens.names.resolve import select_names
 from vlens.runtime.messages import Handback, HookError, RequestPlan
 from vlens.serve.fields import BadVlensField, VlensFields
 

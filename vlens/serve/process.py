@@ -9,7 +9,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -28,15 +28,18 @@ def server_process(
     api_key: str | None = None,
     start_timeout: float = 300.0,
     env: dict[str, str] | None = None,
+    started: Callable[[int], None] | None = None,
 ) -> Iterator[str]:
     """Run ``command`` (a server listening on 127.0.0.1:``port``) until the block ends; yields
     its base URL (``http://127.0.0.1:PORT/v1``) once ``/v1/models`` answers. Its output goes to
-    ``log``, whose tail a failed start raises with."""
+    ``log``, whose tail a failed start raises with; ``started`` is told the server's process id."""
     with open(log, "wb") as output:
         child = subprocess.Popen(
             list(command), stdout=output, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
             start_new_session=True,  # the engine's processes go with it
         )
+        if started is not None:
+            started(child.pid)
         try:
             base = f"http://127.0.0.1:{port}/v1"
             _wait_until_serving(child, f"{base}/models", api_key, start_timeout, log)

@@ -7,6 +7,8 @@ entry point of ``vllm.endpoint_plugins``, turned on by ``vlens serve`` only).
   carries to it; a response to a request that captured names gains
   ``"vlens": {"activations": ID, "names": {name: shape}}``.
 - ``GET /v1/activations/{id}``: those values as a safetensors file, deleted once fetched.
+- ``GET /v1/vlens/status``: what the server holds (the activation store's entries and bytes,
+  admitted plans, and the requests each worker follows).
 
 Being routes of vLLM's app, they sit behind its middleware, ``--api-key`` included.
 """
@@ -44,6 +46,7 @@ SERVING = Serving()
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 ACTIVATIONS = "/v1/activations/{activation_id}"
+STATUS = "/v1/vlens/status"
 
 
 class VlensRoutes:
@@ -70,6 +73,7 @@ class VlensRoutes:
                 "for vlens to extend"
             )
         app.add_api_route(ACTIVATIONS, activations, methods=["GET"])
+        app.add_api_route(STATUS, status, methods=["GET"])
 
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
         """Nothing: ``vlens serve`` hands its engine client to vLLM's handlers itself."""
@@ -92,6 +96,12 @@ async def activations(activation_id: str) -> Response:
             "oldest are dropped when the store needs room (--activation-store-bytes)", "id"
         )
     return Response(payload, media_type="application/octet-stream")
+
+
+async def status() -> Response:
+    """What the server holds (:meth:`VlensEngineClient.status`): for watching a long-running
+    server, and for the tests that it forgets what it should."""
+    return JSONResponse(await _client().status())
 
 
 async def _with_vlens_fields(path: str, request: Any, raw_request: Request) -> Response:

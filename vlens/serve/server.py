@@ -19,7 +19,8 @@ import torch
 from safetensors.torch import load_file
 from torch import Tensor
 
-from vlens.engine import FOREIGN_PLUGINS, plugins_except, prepare_engine
+from vlens.engine.link import FOREIGN_PLUGINS, plugins_except, prepare_engine
+from vlens.engine.support import model_impl_args
 from vlens.runtime.graph_worker import graph_names_for_workers
 from vlens.serve.engine_client import VlensEngineClient
 from vlens.serve.fields import read_fields
@@ -27,7 +28,6 @@ from vlens.serve.model import ServedModel
 from vlens.serve.routes import SERVING, VlensRoutes
 from vlens.serve.store import ActivationStore
 from vlens.serve.vllm_server import server_functions
-from vlens.support import model_impl_args
 
 #: The activation store's bound unless ``--activation-store-bytes`` is given.
 DEFAULT_STORE_BYTES = 2**30

@@ -41,6 +41,10 @@ class ActivationStore:
             self.size += len(payload)
         return key
 
+    def status(self) -> dict[str, int]:
+        with self.lock:
+            return {"entries": len(self.entries), "bytes": self.size, "max_bytes": self.max_bytes}
+
     def take(self, key: str) -> bytes | None:
         """The entry's safetensors bytes, removed from the store; None if unknown or dropped."""
         with self.lock:

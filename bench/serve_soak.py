@@ -1,0 +1,258 @@
+"""A bounded soak of ``vlens serve`` under faults, on loopback: many concurrent clients steering,
+capturing, disconnecting mid-stream, giving up on requests, never fetching captures, asking for
+captures larger than the store and guessing activation ids, for ``--minutes``.
+
+Recorded: requests by kind and outcome (an expected refusal, such as the 400 of a capture larger
+than the store or the 404 of an id fetched twice, counts as served right; a 5xx or a dropped
+connection the client did not choose counts as an error), whether a reference request steered
+and captured alone gives the same tokens and activations all along, the server's memory (the
+resident memory of its processes) after warm-up and at the end, and its status once idle (every
+worker follows no request, no plan is left, the store within its bound).
+
+    python bench/serve_soak.py [--minutes 3] [--clients 24] [--out bench/out-cpu-soak]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import openai
+import torch
+from safetensors.torch import load, save_file
+
+from vlens.serve.process import free_port, server_process
+from vlens.testing.tiny import tiny_model
+
+KEY = "soak"
+STEERED = "blocks.1.hook_resid_post"
+STORE_BYTES = 256 * 1024
+#: Captured per request that captures: about 4 KiB per position (two layers of d_model 128 fp32)
+CAPTURED = ["blocks.0.hook_resid_post", STEERED]
+#: More than the whole store at any prompt length the model takes
+TOO_LARGE = ["blocks.0.hook_resid_post", "blocks.1.hook_resid_post", "blocks.2.hook_resid_post",
+             "blocks.0.mlp.hook_post", "blocks.1.mlp.hook_post", "blocks.2.mlp.hook_post"]
+
+
+def prompt_of(rng: random.Random, length: int | None = None) -> list[int]:
+    return [rng.randrange(3, 500) for _ in range(length or rng.randrange(4, 40))]
+
+
+class Soak:
+    def __init__(self, base: str, vector: list[float]) -> None:
+        self.base = base
+        self.vector = vector
+        self.outcomes: Counter[tuple[str, str]] = Counter()
+        self.lock = threading.Lock()
+        self.client = openai.OpenAI(base_url=base, api_key=KEY, max_retries=0, timeout=120)
+        self.reference = self.solo_reference()
+
+    def count(self, kind: str, outcome: str) -> None:
+        with self.lock:
+            self.outcomes[kind, outcome] += 1
+
+    def complete(self, prompt: list[int], vlens: dict | None, **options) -> object:
+        body = {"ignore_eos": True, "return_token_ids": True, **({"vlens": vlens} if vlens else {})}
+        options = {"model": str(tiny_model("llama")), "max_tokens": 8, "temperature": 0.0, **options}
+        client = options.pop("client", self.client)
+        return client.completions.create(prompt=prompt, **options, extra_body=body)
+
+    def fetch(self, activation_id: str) -> bytes:
+        request = urllib.request.Request(f"{self.base}/activations/{activation_id}",
+                                         headers={"Authorization": f"Bearer {KEY}"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.read()
+
+    def steer(self) -> dict:
+        return {"steering": [{"name": STEERED, "add": self.vector, "scale": 6.0}]}
+
+    def solo_reference(self) -> tuple[list[int], dict[str, torch.Tensor]]:
+        """The reference request's tokens and captured values, alone on the idle server."""
+        response = self.complete(list(range(5, 25)), {**self.steer(), "capture": CAPTURED})
+        values = load(self.fetch(response.model_extra["vlens"]["activations"]))
+        return list(response.choices[0].model_extra["token_ids"]), values
+
+    # ---- what a client does, one request at a time ------------------------------------------
+
+    def reference_again(self, rng: random.Random) -> str:
+        """The reference request among the others: its tokens, and its activations where they
+        are fetched before newer captures push them out of the store."""
+        response = self.complete(list(range(5, 25)), {**self.steer(), "capture": CAPTURED})
+        tokens = list(response.choices[0].model_extra["token_ids"])
+        if tokens != self.reference[0]:
+            return "TOKENS CHANGED"
+        try:
+            values = load(self.fetch(response.model_extra["vlens"]["activations"]))
+        except urllib.error.HTTPError as error:
+            return f"same tokens, fetch {error.code}"
+        same = all(torch.equal(values[name], self.reference[1][name]) for name in CAPTURED)
+        return "same tokens and activations" if same else "ACTIVATIONS CHANGED"
+
+    def plain(self, rng: random.Random) -> str:
+        self.complete(prompt_of(rng), None)
+        return "ok"
+
+    def steered_by_name(self, rng: random.Random) -> str:
+        steer = {"steering": [{"name": STEERED, "add": "up", "scale": 4.0}]}
+        self.complete(prompt_of(rng), steer)
+        return "ok"
+
+    def capture_and_fetch(self, rng: random.Random) -> str:
+        response = self.complete(prompt_of(rng), {**self.steer(), "capture": CAPTURED})
+        activation_id = response.model_extra["vlens"]["activations"]
+        try:
+            self.fetch(activation_id)
+        except urllib.error.HTTPError as error:  # dropped by a newer capture before the fetch
+            return f"fetch {error.code}"
+        try:
+            self.fetch(activation_id)
+        except urllib.error.HTTPError as error:
+            return f"ok, second fetch {error.code}"
+        return "SECOND FETCH SERVED"
+
+    def capture_never_fetched(self, rng: random.Random) -> str:
+        self.complete(prompt_of(rng), {"capture": CAPTURED})
+        return "ok"
+
+    def capture_too_large(self, rng: random.Random) -> str:
+        try:
+            self.complete(prompt_of(rng, 60), {"capture": TOO_LARGE}, max_tokens=16)
+        except openai.BadRequestError as error:
+            return "400" if "--activation-store-bytes" in str(error) else "400, WRONG MESSAGE"
+        return "SERVED"
+
+    def guessed_id(self, rng: random.Random) -> str:
+        try:
+            self.fetch("".join(rng.choice("abcdefghijklmnopqrstuvwxyz0123456789") for _ in range(22)))
+        except urllib.error.HTTPError as error:
+            return str(error.code)
+        return "SERVED"
+
+    def stream_and_leave(self, rng: random.Random) -> str:
+        body = {"model": str(tiny_model("llama")), "prompt": prompt_of(rng), "max_tokens": 120,
+                "temperature": 0.0, "stream": True, "ignore_eos": True,
+                "vlens": {**self.steer(), "capture": CAPTURED}}
+        with httpx.stream("POST", f"{self.base}/completions", json=body, timeout=60,
+                          headers={"Authorization": f"Bearer {KEY}"}) as response:
+            if response.status_code != 200:
+                return str(response.status_code)
+            events = response.iter_lines()
+            for _ in range(rng.randrange(1, 8)):
+                next(events)
+        return "left"
+
+    def give_up(self, rng: random.Random) -> str:
+        impatient = openai.OpenAI(base_url=self.base, api_key=KEY, max_retries=0, timeout=0.3)
+        try:
+            self.complete(prompt_of(rng), self.steer(), max_tokens=200, client=impatient)
+        except openai.APITimeoutError:
+            return "gave up"
+        return "finished first"
+
+    def client_loop(self, seed: int, deadline: float) -> None:
+        rng = random.Random(seed)
+        actions = [self.plain, self.steered_by_name, self.capture_and_fetch,
+                   self.capture_never_fetched, self.capture_too_large, self.guessed_id,
+                   self.stream_and_leave, self.give_up, self.reference_again]
+        weights = [3, 3, 3, 2, 1, 1, 2, 1, 1]
+        while time.monotonic() < deadline:
+            action = rng.choices(actions, weights)[0]
+            try:
+                outcome = action(rng)
+            except openai.APIStatusError as error:
+                outcome = f"ERROR {error.status_code}"
+            except (openai.APIConnectionError, httpx.HTTPError, urllib.error.URLError) as error:
+                cause = error.__cause__ or error
+                outcome = f"ERROR {type(error).__name__} ({type(cause).__name__}: {cause})"[:160]
+            self.count(action.__name__, outcome)
+
+
+def status(base: str) -> dict:
+    request = urllib.request.Request(f"{base}/vlens/status", headers={"Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.loads(response.read())
+
+
+def resident_bytes(root: int) -> int:
+    """The resident memory of process ``root`` and all its descendants."""
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+            children.setdefault(parent, []).append(int(entry))
+        except OSError:
+            continue
+    total, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        todo.extend(children.get(pid, []))
+        try:
+            with open(f"/proc/{pid}/statm") as statm:
+                total += int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except OSError:
+            continue
+    return total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--minutes", type=float, default=3.0)
+    parser.add_argument("--clients", type=int, default=24)
+    parser.add_argument("--out", type=Path, default=Path("bench/out-cpu-soak"))
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    vector = torch.randn(128, generator=torch.Generator().manual_seed(11))
+    save_file({"up": vector}, str(args.out / "vectors.safetensors"))
+    port = free_port()
+    command = [
+        sys.executable, "-m", "vlens.cli", "serve", str(tiny_model("llama")), "--port", str(port),
+        "--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory-bytes", str(64 << 20),
+        "--api-key", KEY, "--vectors", str(args.out / "vectors.safetensors"),
+        "--activation-store-bytes", str(STORE_BYTES),
+    ]
+    pids: list[int] = []
+    with server_process(command, port, args.out / "server.log", api_key=KEY,
+                        started=pids.append) as base:
+        server_pid = pids[0]
+        soak = Soak(base, vector.tolist())
+        warm = time.monotonic() + 20  # warm-up: every kind of request once, then memory
+        soak.client_loop(0, warm)
+        soak.outcomes.clear()
+        memory_start = resident_bytes(server_pid)
+        deadline = time.monotonic() + 60 * args.minutes
+        threads = [threading.Thread(target=soak.client_loop, args=(seed, deadline))
+                   for seed in range(1, args.clients + 1)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        time.sleep(5)  # the last aborted requests' clean-up
+        idle = status(base)
+        memory_end = resident_bytes(server_pid)
+        still = soak.reference_again(random.Random(0))
+    outcomes = {f"{kind}: {outcome}": n for (kind, outcome), n in sorted(soak.outcomes.items())}
+    errors = {key: n for key, n in outcomes.items()
+              if any(word in key for word in ("ERROR", "CHANGED", "SERVED", "WRONG"))}
+    result = {
+        "minutes": args.minutes, "clients": args.clients, "store_bytes": STORE_BYTES,
+        "requests": sum(soak.outcomes.values()), "outcomes": outcomes, "errors": errors,
+        "reference_after": still, "status_when_idle": idle,
+        "server_resident_mib": {"after_warm_up": memory_start / 2**20, "end": memory_end / 2**20},
+    }
+    (args.out / "soak.json").write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

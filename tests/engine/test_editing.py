@@ -1,0 +1,167 @@
+"""Editing with TransformerLens hook functions: edits reach the model exactly as the same edit in
+HuggingFace does, stay within their request, and failures reach the caller cleanly."""
+
+import functools
+from collections.abc import Callable
+
+import pytest
+import torch
+from hf_edits import forward_with_added
+from torch import Tensor, nn
+
+from vlens.parity.reference import load_hf
+from vlens.runtime.hooks import HookError
+from vlens.testing.tiny import tiny_model
+
+TEXT = "Steering vectors move the residual stream"
+LAYER = 1
+
+ROTARY_EDITABLE = ("hook_resid_pre", "hook_resid_mid", "hook_resid_post", "attn.hook_z",
+                   "mlp.hook_post", "attn.hook_q")
+GPT2_EDITABLE = ("hook_resid_pre", "hook_resid_mid", "hook_attn_out", "hook_resid_post",
+                 "attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_z", "mlp.hook_pre",
+                 "mlp.hook_post", "hook_mlp_out")
+#: The names each architecture's edits are checked at. GPT-2 has no fused residual, so its write
+#: rules differ from Llama's and Qwen3's.
+EDITABLE = {
+    "llama": [f"blocks.{LAYER}.{name}" for name in ROTARY_EDITABLE],
+    "qwen3": [f"blocks.{LAYER}.{name}" for name in ROTARY_EDITABLE],
+    "gpt2": ["hook_embed", "hook_pos_embed", *(f"blocks.{LAYER}.{name}" for name in GPT2_EDITABLE)],
+}
+
+
+@pytest.fixture(scope="module")
+def huggingface() -> Callable[[str], nn.Module]:
+    """``huggingface("gpt2")``: the tiny checkpoint in HuggingFace transformers, loaded once."""
+    return functools.cache(lambda arch: load_hf(tiny_model(arch)))
+
+
+@pytest.mark.parametrize(
+    ("arch", "name"), [(arch, name) for arch, names in EDITABLE.items() for name in names]
+)
+def test_added_vector_matches_huggingface(hooked, huggingface, arch: str, name: str):
+    model = hooked(arch)
+    plain_logits, plain = model.run_with_cache(TEXT, names_filter=name)
+    # One vector per position: one vector for every key would shift each query's scores alike.
+    vector = torch.randn(plain[name].shape[1:], generator=torch.Generator().manual_seed(7))
+
+    def add(value: Tensor, hook) -> Tensor:
+        return value + vector
+
+    # HuggingFace's hidden state i + 1 is blocks.i.hook_resid_post, except the last (after the
+    # final norm).
+    later = [f"blocks.{i}.hook_resid_post" for i in range(LAYER, model.cfg.n_layers - 1)]
+    with model.hooks(fwd_hooks=[(name, add)]):
+        logits, edited = model.run_with_cache(TEXT, names_filter=lambda n: n == name or n in later)
+    torch.testing.assert_close(edited[name], plain[name] + vector)
+    assert (plain_logits - logits).abs().max() > 1e-2, "the edit changed nothing"
+    tokens = model.to_tokens(TEXT)
+    reference = forward_with_added(huggingface(arch), tokens, name, vector.flatten(1))
+    # fp32 parity tolerance (see parity/compare.py), applied per element with a small floor.
+    torch.testing.assert_close(logits[0], reference.logits[0], rtol=1e-4, atol=1e-4)
+    for i, stream in enumerate(later, start=LAYER + 1):
+        torch.testing.assert_close(
+            edited[stream][0], reference.hidden_states[i][0], rtol=1e-4, atol=1e-4
+        )
+
+
+def test_in_place_edit_returning_none_reaches_the_model(hooked):
+    model = hooked("llama")
+
+    def zero_head(z: Tensor, hook) -> None:
+        z[:, :, 1] = 0.0
+
+    _, cache = model.run_with_cache(TEXT, names_filter="blocks.0.attn.hook_z")
+    with model.hooks(fwd_hooks=[("blocks.0.attn.hook_z", zero_head)]):
+        _, edited = model.run_with_cache(TEXT, names_filter=["blocks.0.attn.hook_z", "blocks.0.hook_attn_out"])
+    assert torch.all(edited["blocks.0.attn.hook_z"][:, :, 1] == 0)
+    assert cache["blocks.0.attn.hook_z"][:, :, 1].abs().sum() > 0
+    _, plain = model.run_with_cache(TEXT, names_filter="blocks.0.hook_attn_out")
+    assert not torch.allclose(edited["blocks.0.hook_attn_out"], plain["blocks.0.hook_attn_out"])
+
+
+def test_steering_one_request_leaves_the_other_alone(hooked):
+    model = hooked("qwen3")
+    a, b = "The first prompt is steered", "The second one is not, and it is longer than the first"
+    vector = torch.randn(model.cfg.d_model, generator=torch.Generator().manual_seed(3)) * 4
+    steer = [("blocks.1.hook_resid_post", lambda x, hook: x + vector)]
+    both = model.generate([a, b], max_new_tokens=8, do_sample=False, prompt_hooks=[steer, []],
+                          return_type="tokens")
+    assert both[1] == model.generate(b, max_new_tokens=8, do_sample=False, return_type="tokens")[0]
+    assert both[0] == model.generate(a, max_new_tokens=8, do_sample=False, fwd_hooks=steer,
+                                     return_type="tokens")[0]
+    assert both[0] != model.generate(a, max_new_tokens=8, do_sample=False, return_type="tokens")[0]
+
+    _, mixed = model.run_with_cache([a, b], names_filter="blocks.2.hook_resid_post",
+                                    prompt_hooks=[steer, []])
+    _, alone = model.run_with_cache(b, names_filter="blocks.2.hook_resid_post")
+    torch.testing.assert_close(mixed.unpadded("blocks.2.hook_resid_post", 1), alone["blocks.2.hook_resid_post"][0])
+
+
+def test_hook_point_surface_and_decode_steps(hooked):
+    model = hooked("llama")
+    seen: list[tuple[int, list[int], bool]] = []
+
+    def record(x: Tensor, hook) -> None:
+        assert hook.name == "blocks.2.hook_resid_pre" and hook.layer() == 2
+        hook.ctx["calls"] = hook.ctx.get("calls", 0) + 1
+        seen.append((hook.request, hook.positions.tolist()[0], hook.is_prefill))
+
+    prompt = model.token_lists("Count the steps")[0]
+    model.generate("Count the steps", max_new_tokens=4, do_sample=False,
+                   fwd_hooks=[("blocks.2.hook_resid_pre", record)])
+    assert seen[0] == (0, list(range(len(prompt))), True)
+    assert seen[1:] == [(0, [len(prompt) + i], False) for i in range(3)]
+
+
+def test_hook_exception_reaches_caller_and_engine_keeps_serving(hooked):
+    model = hooked("llama")
+
+    def broken(x: Tensor, hook) -> None:
+        raise ValueError("boom")
+
+    with pytest.raises(HookError, match=r"broken on blocks.0.attn.hook_z raised ValueError\('boom'\)"):
+        model.generate("Hello", max_new_tokens=3, fwd_hooks=[("blocks.0.attn.hook_z", broken)])
+    assert len(model.generate("Hello", max_new_tokens=3, return_type="tokens")[0]) > 1
+
+
+def test_wrong_shape_or_dtype_is_named(hooked):
+    model = hooked("llama")
+    n = model.to_tokens("Hello").shape[1]
+    expected = rf"on blocks.1.hook_resid_post returned shape \({n}, 3\); expected \(1, {n}, 128\)"
+    with pytest.raises(HookError, match=expected):
+        model.run_with_hooks("Hello", fwd_hooks=[("blocks.1.hook_resid_post", lambda x, h: x[:, :, :3][0])])
+    with pytest.raises(HookError, match="dtype"):
+        model.run_with_hooks("Hello", fwd_hooks=[("blocks.1.hook_resid_post", lambda x, h: x.double())])
+    assert model.run_with_hooks("Hello").shape[0] == 1
+
+
+def test_names_that_cannot_be_edited(hooked):
+    model = hooked("llama")
+    with pytest.raises(ValueError, match="sampler.hook_tokens cannot carry a hook"):
+        model.add_hook("sampler.hook_tokens", lambda x, h: None)
+    with pytest.raises(HookError, match="cannot be written back"):
+        model.run_with_hooks("Hi", fwd_hooks=[("blocks.0.ln1.hook_scale", lambda x, h: x * 2)])
+    def double_in_place(x, hook) -> None:
+        x.mul_(2)
+
+    with pytest.raises(HookError, match="cannot be written back"):  # an in-place edit too
+        model.run_with_hooks("Hi", fwd_hooks=[("blocks.0.ln1.hook_scale", double_in_place)])
+    model.run_with_hooks("Hi", fwd_hooks=[("blocks.0.ln1.hook_scale", lambda x, h: None)])  # a look
+    with pytest.raises(NotImplementedError, match="backward"):
+        model.add_hook("blocks.0.hook_resid_pre", lambda x, h: None, dir="bwd")
+
+
+def test_add_and_reset_hooks(hooked):
+    model = hooked("llama")
+    calls: list[str] = []
+    model.add_hook("blocks.0.hook_resid_post", lambda x, h: calls.append("temp"))
+    model.add_hook(lambda n: n == "blocks.1.hook_resid_post", lambda x, h: calls.append("perm"), is_permanent=True)
+    model.run_with_hooks("Hi")
+    assert calls == ["temp", "perm"]
+    model.reset_hooks()
+    model.run_with_hooks("Hi")
+    assert calls == ["temp", "perm", "perm"]
+    model.reset_hooks(including_permanent=True)
+    model.run_with_hooks("Hi")
+    assert calls == ["temp", "perm", "perm"]

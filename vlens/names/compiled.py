@@ -1,0 +1,150 @@
+"""Declaring, when a model loads, which names its compiled graph reads and steers.
+
+vLLM's compiled mode traces the forward once; only hooks present at that moment run afterwards
+(:mod:`vlens.runtime.graph`). So a compiled engine serves exactly the names declared here:
+``compiled_capture`` (names to read; a derived name such as ``attn.hook_pattern`` declares the
+names it is built from) and ``compiled_steering`` (names :class:`~vlens.runtime.steering.Steer` values
+may change). Everything else is refused with the eager alternative named.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from transformers import PretrainedConfig
+
+from vlens.engine.support import EAGER
+from vlens.names.mapping import DerivedSpec, HookSpec, Spec, attention_dimensions, site_sources
+from vlens.names.resolve import Explain, NamesFilter, select_names
+from vlens.runtime.graph import GraphName
+from vlens.runtime.readers import LogitsOf, writable
+
+#: The logits: traced into every compiled graph as the final norm's rows (one ``d_model`` row
+#: per position; the vocabulary-wide logits are computed after the step, for rows kept only), so
+#: that a compiled engine returns logits as an eager one does.
+LOGITS = "unembed.hook_out"
+
+
+@dataclass(frozen=True)
+class CompiledNames:
+    """What a compiled engine's graph reads (``capture``, as declared, and ``traced``: those
+    and the logits) and may change (``steering``)."""
+
+    capture: frozenset[str]
+    steering: frozenset[str]
+    graph_names: tuple[GraphName, ...]
+    traced: frozenset[str] = frozenset()
+
+
+def declare(
+    specs: dict[str, Spec],
+    config: PretrainedConfig,
+    capture: NamesFilter | Sequence[str],
+    steering: NamesFilter | Sequence[str],
+    explain: Explain | None = None,
+) -> CompiledNames:
+    """The graph names for ``capture`` and ``steering`` (name lists or name filters)."""
+    known = list(specs)
+    captured: set[str] = set()
+    for name in _chosen(capture, known, explain):
+        captured |= set(site_sources(specs, name))
+    steered = set(_chosen(steering, known, explain))
+    for name in sorted(captured | steered):
+        spec = specs[name]
+        if isinstance(spec, HookSpec) and spec.site.event == "sampled":
+            raise ValueError(
+                f"{name} is read after the forward, outside the compiled graph: it needs no "
+                f"declaration (read it and hook it as on an eager engine)"
+            )
+    for name in sorted(steered):
+        check_steerable(name, specs[name])
+    traced = captured | logits_rows(specs)
+    graph_names = tuple(
+        GraphName(
+            name,
+            spec.site,
+            spec.read,
+            per_position_shape(spec, config),
+            capture=name in traced,
+            steer=name in steered,
+        )
+        for name, spec in specs.items()
+        if name in traced | steered and isinstance(spec, HookSpec)
+    )
+    return CompiledNames(frozenset(captured), frozenset(steered), graph_names, frozenset(traced))
+
+
+def logits_rows(specs: dict[str, Spec]) -> set[str]:
+    """:data:`LOGITS`, where the graph can keep it as final-norm rows."""
+    spec = specs.get(LOGITS)
+    return {LOGITS} if isinstance(spec, HookSpec) and isinstance(spec.read, LogitsOf) else set()
+
+
+def check_steerable(name: str, spec: Spec) -> None:
+    """A :class:`~vlens.runtime.steering.Steer` changes one of vLLM's own position-major tensors through
+    its name's write rule: refuse any other name."""
+    if isinstance(spec, DerivedSpec) or not writable(spec.read) or spec.arrange is not None:
+        raise ValueError(
+            f"{name} cannot be steered with Steer: it is not one of vLLM's own position-major "
+            f"tensors; steer a name that feeds it"
+        )
+
+
+def per_position_shape(spec: HookSpec, config: PretrainedConfig) -> tuple[int, ...]:
+    """The shape of one position's value of what the graph computes for ``spec`` (for the
+    logits, the final norm's row they are computed from), from its jaxtyping shape."""
+    labels = spec.shape.split()
+    if spec.arrange is not None:  # the shape is TransformerLens's order; the reader's is rows first
+        source, target = (side.split()[1:] for side in spec.arrange.split("->"))
+        by_axis = dict(zip(target, labels))
+        labels = [by_axis[axis] for axis in source]
+    if isinstance(spec.read, LogitsOf):
+        labels = ["pos", "d_model"]
+    return tuple(dimension(label, config, spec.shape) for label in labels[1:])
+
+
+def dimension(label: str, config: PretrainedConfig, shape: str) -> int:
+    """The size of one axis label of a mapping file's shapes, from the HuggingFace config."""
+    heads, kv_heads, d_head = attention_dimensions(config)
+    experts = next(
+        (
+            getattr(config, name)
+            for name in ("n_routed_experts", "num_experts", "num_local_experts")
+            if isinstance(getattr(config, name, None), int)
+        ),
+        None,
+    )
+    sizes = {
+        "1": 1,
+        "d_model": config.hidden_size,
+        "d_mlp": getattr(config, "intermediate_size", None) or 4 * config.hidden_size,
+        "head": heads,
+        "kv_head": kv_heads,
+        "d_head": d_head,
+        "heads_d_head": heads * d_head,
+        "kv_heads_d_head": kv_heads * d_head,
+        "d_vocab": config.vocab_size,
+        "top_k": getattr(config, "num_experts_per_tok", None),
+        "n_routed_experts": experts,
+    }
+    size = sizes[label] if label in sizes else getattr(config, label, None)
+    if not isinstance(size, int):
+        raise NotImplementedError(
+            f"a value of shape {shape!r} cannot be traced into the compiled graph yet (no size "
+            f"for {label!r} in the config); read it with {EAGER}"
+        )
+    return size
+
+
+def _chosen(
+    names: NamesFilter | Sequence[str], known: list[str], explain: Explain | None
+) -> list[str]:
+    if names is None:
+        raise ValueError(
+            "compiled names must be listed (or given as a filter): tracing every name into the "
+            "graph would copy every activation at every step"
+        )
+    if not callable(names) and not isinstance(names, str) and len(names) == 0:
+        return []
+    return select_names(names, known, explain)
