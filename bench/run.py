@@ -23,6 +23,11 @@ decoding:
   with ``device="cuda"``: kept where it was captured, on one rank), *generate* vlens's
   ``generate`` asking for nothing (the cost of vlens's call path alone), *steer* ``generate``
   with a different vector per prompt (``Steer`` values).
+- ``hooks``: a compiled engine with every layer's ``hook_resid_post`` in ``compiled_hooks``
+  (TransformerLens hook functions inside the graph): *idle* is its ``vllm.LLM.generate`` with no
+  vlens request, *steer* ``generate`` with one shared hook function adding a vector at one layer,
+  *read* one cloning that layer's value at every step, *nothing_all* one doing nothing at every
+  layer.
 - ``hf``: HuggingFace transformers with forward hooks, prefill only (batches of ``hf_batch``):
   no hook, one layer's residual cloned, every layer's.
 - ``transformer_lens``: TransformerLens's ``TransformerBridge`` on HuggingFace (compatibility
@@ -456,6 +461,59 @@ def worker_graph(preset: dict[str, Any], path: Path, timer: Timer, every_layer: 
             timer.measure("graph_1_steer", "generate", lambda: steered(new), rep=rep)
 
 
+def worker_hooks(preset: dict[str, Any], path: Path, timer: Timer) -> None:
+    """TransformerLens hook functions on a compiled engine: every layer's ``hook_resid_post``
+    declared in ``compiled_hooks``; nothing registered, one shared steering function at one
+    layer, one function reading one layer, and a function that does nothing at every layer."""
+    import torch
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from vlens import HookedVLLM
+
+    n_layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
+    one = f"blocks.{preset['layer']}.hook_resid_post"
+    every = [f"blocks.{i}.hook_resid_post" for i in range(n_layers)]
+    model = HookedVLLM.from_pretrained(path, dtype=preset["dtype"], compiled_hooks=every,
+                                       **preset["engine"])
+    llm = model.engine.llm
+    record_runner(timer, llm)
+    prompts = prompts_for(preset, model.cfg.d_vocab)
+    n_prompt = sum(len(p) for p in prompts)
+    new = preset["new_tokens"]
+    vector = torch.randn(model.cfg.d_model, generator=torch.Generator().manual_seed(1))
+    read: list[torch.Tensor] = []
+
+    def plain(max_tokens: int) -> int:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                               use_tqdm=False)
+        return sum(len(o.outputs[0].token_ids) for o in outputs)
+
+    def steer(x, hook):
+        return x + vector.to(x.device, x.dtype)
+
+    def look(x, hook):
+        read.append(x.clone())
+
+    def nothing(x, hook):
+        return None
+
+    def generated(max_new: int, hooks: list) -> int:
+        read.clear()
+        out = model.generate(prompts, max_new_tokens=max_new, do_sample=False, stop_at_eos=False,
+                             return_type="tokens", fwd_hooks=hooks)
+        return sum(len(o) for o in out) - n_prompt
+
+    generated(2, [(one, steer)])
+    for rep in range(timer.reps):
+        timer.measure("hooks_idle", "generate", lambda: plain(new), rep=rep)
+        timer.measure("hooks_steer", "generate", lambda: generated(new, [(one, steer)]), rep=rep)
+        timer.measure("hooks_read", "generate", lambda: generated(new, [(one, look)]), rep=rep)
+        timer.measure("hooks_nothing_all", "generate",
+                      lambda: generated(new, [(name, nothing) for name in every]), rep=rep)
+
+
 def peak_rss_bytes() -> int:
     """The process's peak resident memory (engine, KV cache and every cache it returned)."""
     import resource
@@ -569,11 +627,12 @@ def worker_transformer_lens(preset: dict[str, Any], path: Path, timer: Timer) ->
 
 # ---- the orchestrating process -----------------------------------------------------------------
 
-WORKERS = ("eager", "compiled", "graph_1", "graph_all", "hf", "transformer_lens")
+WORKERS = ("eager", "compiled", "graph_1", "graph_all", "hooks", "hf", "transformer_lens")
 
 
 #: Seconds each worker may take (``--timeouts`` overrides), so that one run ends in time.
-TIMEOUTS = {"eager": 300, "compiled": 150, "graph_1": 300, "graph_all": 300, "hf": 80,
+TIMEOUTS = {"eager": 300, "compiled": 150, "graph_1": 300, "graph_all": 300, "hooks": 300,
+            "hf": 80,
             "transformer_lens": 300}
 
 
@@ -637,6 +696,10 @@ LABELS = {
     "graph_all_cache": "vlens compiled: run_with_cache, every layer's resid_post (on the CPU)",
     "graph_all_cache_gpu": "vlens compiled: run_with_cache, every layer's resid_post, "
     "device='cuda'",
+    "hooks_idle": "vlens compiled, every layer in compiled_hooks, no vlens request",
+    "hooks_steer": "vlens compiled_hooks: generate, a hook function steering one layer",
+    "hooks_read": "vlens compiled_hooks: generate, a hook function cloning one layer per step",
+    "hooks_nothing_all": "vlens compiled_hooks: generate, a hook doing nothing at every layer",
     "tl_cache_1": "TransformerLens (TransformerBridge on HF) run_with_cache, one layer",
     "tl_cache_all": "TransformerLens (TransformerBridge on HF) run_with_cache, every layer",
     "tl_steer": "TransformerLens (TransformerBridge on HF) generate, one steering vector",
@@ -723,6 +786,8 @@ def main(argv: list[str] | None = None) -> int:
             worker_compiled(preset, args.model_path, timer)
         elif args.worker in ("graph_1", "graph_all"):
             worker_graph(preset, args.model_path, timer, every_layer=args.worker == "graph_all")
+        elif args.worker == "hooks":
+            worker_hooks(preset, args.model_path, timer)
         elif args.worker == "transformer_lens":
             worker_transformer_lens(preset, args.model_path, timer)
         else:

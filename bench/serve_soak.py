@@ -4,10 +4,11 @@ captures larger than the store and guessing activation ids, for ``--minutes``.
 
 Recorded: requests by kind and outcome (an expected refusal, such as the 400 of a capture larger
 than the store or the 404 of an id fetched twice, counts as served right; a 5xx or a dropped
-connection the client did not choose counts as an error), whether a reference request steered
-and captured alone gives the same tokens and activations all along, the server's memory (the
-resident memory of its processes) after warm-up and at the end, and its status once idle (every
-worker follows no request, no plan is left, the store within its bound).
+connection the client did not choose counts as an error; the clients do not retry), whether a
+reference request steered and captured alone gives the same tokens and activations all along,
+the server's memory (the resident memory of its processes) after warm-up, every 15 s and at the
+end, and its status once idle (every worker follows no request, no plan is left, the store
+within its bound).
 
     python bench/serve_soak.py [--minutes 3] [--clients 24] [--out bench/out-cpu-soak]
 """
@@ -230,11 +231,18 @@ def main() -> None:
         soak.client_loop(0, warm)
         soak.outcomes.clear()
         memory_start = resident_bytes(server_pid)
-        deadline = time.monotonic() + 60 * args.minutes
+        start = time.monotonic()
+        deadline = start + 60 * args.minutes
         threads = [threading.Thread(target=soak.client_loop, args=(seed, deadline))
                    for seed in range(1, args.clients + 1)]
         for thread in threads:
             thread.start()
+        memory: list[tuple[int, int, float]] = []  # (seconds, requests so far, MiB)
+        while any(thread.is_alive() for thread in threads):
+            time.sleep(15)
+            served = sum(soak.outcomes.values())
+            memory.append((round(time.monotonic() - start), served,
+                           round(resident_bytes(server_pid) / 2**20)))
         for thread in threads:
             thread.join()
         time.sleep(5)  # the last aborted requests' clean-up
@@ -248,7 +256,8 @@ def main() -> None:
         "minutes": args.minutes, "clients": args.clients, "store_bytes": STORE_BYTES,
         "requests": sum(soak.outcomes.values()), "outcomes": outcomes, "errors": errors,
         "reference_after": still, "status_when_idle": idle,
-        "server_resident_mib": {"after_warm_up": memory_start / 2**20, "end": memory_end / 2**20},
+        "server_resident_mib": {"after_warm_up": memory_start / 2**20, "end": memory_end / 2**20,
+                                "during": memory},
     }
     (args.out / "soak.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))

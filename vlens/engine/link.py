@@ -23,7 +23,7 @@ import torch
 from vlens.engine.hf_classes import classes_left_as_they_were
 from vlens.engine.interrupts import WorkerWaits
 from vlens.engine.process_groups import ensure_expert_group
-from vlens.engine.support import engine_args
+from vlens.engine.support import engine_args, hook_site_compilation
 from vlens.runtime import host_blocks, shared_tensors
 from vlens.runtime.graph import GraphName
 from vlens.runtime.graph_worker import graph_names_for_workers
@@ -70,7 +70,8 @@ class Engine:
         # The engine core runs in this process, so that user hook functions and captured tensors
         # need no serialisation on one device. Read by vLLM when the engine is built.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        args = prepare_engine(user_args, bool(graph_names), cpu_defaults)
+        graph_hooks = any(name.hook for name in graph_names)
+        args = prepare_engine(user_args, bool(graph_names), cpu_defaults, graph_hooks)
         from vllm import LLM, envs
 
         # An engine already built in this process froze vLLM's view of the environment; the
@@ -287,13 +288,19 @@ class Engine:
 
 
 def prepare_engine(
-    user_args: Mapping[str, Any], compiled: bool, cpu_defaults: Mapping[str, Any]
+    user_args: Mapping[str, Any],
+    compiled: bool,
+    cpu_defaults: Mapping[str, Any],
+    graph_hooks: bool = False,
 ) -> dict[str, Any]:
     """The engine arguments of a vlens engine (the user's, with vlens's defaults and refusals,
     ``cpu_defaults``: what the architecture needs on vLLM's CPU backend, and vlens's worker
     extension), after setting the environment vLLM reads while it builds one. Shared by
-    ``HookedVLLM``'s engine and ``vlens serve``."""
+    ``HookedVLLM``'s engine and ``vlens serve``. ``graph_hooks``: hook functions run inside the
+    compiled graph (:mod:`vlens.runtime.hook_sites`)."""
     user_args = dict(user_args)
+    if graph_hooks and not _on_cpu():
+        user_args["compilation_config"] = hook_site_compilation(user_args.get("compilation_config"))
     if compiled:
         # vLLM would otherwise reuse a graph compiled before (without vlens's hooks) from
         # its on-disk cache, and the declared names would silently never be read.
@@ -306,7 +313,7 @@ def prepare_engine(
         ranks = int(user_args.get("tensor_parallel_size") or 1)
         if ranks > 1:
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cores_per_rank(ranks))
-    return {**engine_args(user_args, compiled=compiled), **WORKER_EXTENSION}
+    return {**engine_args(user_args, compiled, graph_hooks), **WORKER_EXTENSION}
 
 
 class WorkerCall:

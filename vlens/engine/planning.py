@@ -92,12 +92,15 @@ class Planner:
         if self.compiled is not None:
             graph_keep = frozenset(name for name in kept if name in self.compiled.traced)
             kept = [name for name in kept if name not in graph_keep]
+            traced_steering = self.compiled.steering
         else:
             graph_keep = frozenset()
-            for steer in steers:
+            traced_steering = frozenset()
+        for steer in steers:  # those the graph does not apply run as hook functions
+            if steer.name not in traced_steering:
                 function = as_hook_function(steer, self.width(steer.name))
                 hooks = {**hooks, steer.name: (*hooks.get(steer.name, ()), function)}
-            steers = ()
+        steers = tuple(steer for steer in steers if steer.name in traced_steering)
         common = shared_names(hooks, shared or {})
         sites: dict[Site, list[NamePlan]] = {}
         for name, spec in self.specs.items():
@@ -175,10 +178,11 @@ class Planner:
         if not isinstance(steer, Steer):
             raise TypeError(f"steering takes Steer values, got {type(steer).__name__}")
         name = self.registry.names(steer.name)[0]
-        if self.compiled is not None and name not in self.compiled.steering:
+        compiled = self.compiled
+        if compiled is not None and name not in compiled.steering | compiled.hooks:
             raise ValueError(
                 f"{name} is not in this compiled engine's compiled_steering (declared when it "
-                f"was loaded: {sorted(self.compiled.steering) or 'none'}); load it with "
+                f"was loaded: {sorted(compiled.steering) or 'none'}); load it with "
                 f"compiled_steering=[{name!r}], or use {EAGER}"
             )
         check_steerable(name, self.specs[name])
@@ -217,10 +221,12 @@ class Planner:
         )
 
     def check_hook_functions(self, names: Sequence[str]) -> None:
-        """Hook functions cannot run inside a compiled graph: say what to do instead."""
+        """Hook functions run inside a compiled graph only at the names declared in
+        ``compiled_hooks``: say what to do instead elsewhere."""
         if self.compiled is None:
             return
-        inside = [name for name in names if not per_sample(self.specs[name])]
+        hookable = self.compiled.hooks
+        inside = [n for n in names if not per_sample(self.specs[n]) and n not in hookable]
         explicit = [name for name in inside if isinstance(self.specs[name], DerivedSpec)]
         if explicit:
             raise ValueError(
@@ -232,17 +238,21 @@ class Planner:
         if inside:
             raise ValueError(
                 f"a Python hook function on {inside[0]} cannot run on this compiled engine: its "
-                f"forward is a traced graph. Steer as data instead (generate(..., steering="
-                f"[Steer({inside[0]!r}, add=vector)]) with the name in compiled_steering), or "
-                f"load {EAGER} for hook functions"
+                f"forward is a traced graph, and hook functions run inside it only at the names "
+                f"declared when it was loaded ({sorted(hookable)[:3] or 'none'}"
+                f"{', ...' if len(hookable) > 3 else ''}). Load it with compiled_hooks=["
+                f"{inside[0]!r}], steer as data (Steer({inside[0]!r}, add=vector) with the name in "
+                f"compiled_steering), or load {EAGER}"
             )
 
     def _without_forward_hooks(self, name: str) -> bool:
         """Whether ``name`` needs no hook added to the forward: always on an eager engine; on a
-        compiled one, a name traced into its graph or read after the forward (the sampler's)."""
+        compiled one, a name traced into its graph, read at one of its hook sites, or read
+        after the forward (the sampler's)."""
         if self.compiled is None:
             return True
-        return name in self.compiled.traced or per_sample(self.specs[name])
+        compiled = self.compiled
+        return name in compiled.traced or name in compiled.hooks or per_sample(self.specs[name])
 
 
 def shared_names(hooks: HooksByName, shared: HooksByName) -> frozenset[str]:

@@ -34,9 +34,12 @@ _COMPILED_REQUIRED = {
 }
 
 
-def engine_args(user_args: dict[str, Any], compiled: bool = False) -> dict[str, Any]:
+def engine_args(
+    user_args: dict[str, Any], compiled: bool = False, graph_hooks: bool = False
+) -> dict[str, Any]:
     """The user's engine arguments with vlens's defaults, refusing the ones vlens cannot honour.
-    A ``compiled`` engine runs in vLLM's default (compiled) mode."""
+    A ``compiled`` engine runs in vLLM's default (compiled) mode; one with ``graph_hooks`` runs
+    hook functions inside its graph, and prefills whole as an eager engine does."""
     defaults = {**DEFAULT_ENGINE_ARGS, "enforce_eager": False} if compiled else DEFAULT_ENGINE_ARGS
     reasons = {**_REQUIRED, **_COMPILED_REQUIRED} if compiled else _REQUIRED
     if "worker_extension_cls" in user_args:
@@ -55,7 +58,8 @@ def engine_args(user_args: dict[str, Any], compiled: bool = False) -> dict[str, 
     for key, needed in defaults.items():
         if args[key] != needed:
             raise ValueError(f"{key}={args[key]!r} is not supported: {reasons[key]}.")
-    if not compiled and not {"enable_chunked_prefill", "max_num_batched_tokens"} & user_args.keys():
+    hooks_run = graph_hooks or not compiled
+    if hooks_run and not {"enable_chunked_prefill", "max_num_batched_tokens"} & user_args.keys():
         args.update(WHOLE_PREFILLS)
     return args
 
@@ -141,3 +145,41 @@ def refuse_gradients(what: str) -> None:
         f"TransformerLens's TransformerBridge over HuggingFace; activation patching (forward "
         f"hooks only) runs here, batched: vlens.patching"
     )
+
+
+#: What vLLM adds to its default ``splitting_ops`` (a string argument of theirs would otherwise
+#: keep Inductor from reusing one compiled piece for every layer).
+KV_CACHE_UPDATE_OPS = ("vllm::unified_kv_cache_update", "vllm::unified_mla_kv_cache_update")
+
+
+def hook_site_compilation(user_config: Any) -> dict[str, Any]:
+    """vLLM's compilation config for an engine whose graph runs hook functions: the hook sites'
+    op (:data:`vlens.runtime.hook_sites.OP`) among the ops the graph is split at, beside vLLM's
+    own (attention), and CUDA graphs captured piecewise, between those ops, so that the op runs
+    eagerly at every step (a full CUDA graph would replay what it did once, at capture)."""
+    from vllm.config import CompilationConfig
+
+    from vlens.runtime.hook_sites import OP
+
+    if user_config is None:
+        config: dict[str, Any] = {}
+    elif isinstance(user_config, dict):
+        config = dict(user_config)
+    else:
+        raise ValueError(
+            "compilation_config: on an engine with compiled_hooks pass it as a dict, which vlens "
+            "extends with the op its hook sites are split at"
+        )
+    mode = config.get("cudagraph_mode")
+    if mode is not None and str(mode).upper().rsplit(".", 1)[-1] not in ("PIECEWISE", "NONE"):
+        raise ValueError(
+            f"compilation_config cudagraph_mode={mode!r} is not supported with compiled_hooks: a "
+            f"full CUDA graph replays the forward without running Python; use PIECEWISE (the "
+            f"default vlens sets) or NONE"
+        )
+    config.setdefault("cudagraph_mode", "PIECEWISE")
+    # vLLM's own default where none is given: attention, and the KV cache's update ops
+    default = [*CompilationConfig._attention_ops, *KV_CACHE_UPDATE_OPS]
+    splitting = list(config.get("splitting_ops") or default)
+    config["splitting_ops"] = [*splitting, OP] if OP not in splitting else splitting
+    return config

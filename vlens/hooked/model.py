@@ -112,6 +112,7 @@ class HookedVLLM(TokenMethods, GenerateMethods, ModelViews, ModuleSurface):
         path: str | Path,
         compiled_capture: NamesFilter | Sequence[str] = (),
         compiled_steering: NamesFilter | Sequence[str] = (),
+        compiled_hooks: NamesFilter | Sequence[str] = (),
         default_prepend_bos: bool | None = None,
         default_padding_side: Literal["left", "right"] | None = None,
         **engine_kwargs: Any,
@@ -129,9 +130,13 @@ class HookedVLLM(TokenMethods, GenerateMethods, ModelViews, ModuleSurface):
         ``compiled_steering`` (names :class:`~vlens.runtime.steering.Steer` values may change) it runs in
         vLLM's compiled mode (torch.compile, and CUDA graphs on a GPU) with those names traced
         into the graph: much faster generation, but only the declared names, and steering as
-        data instead of hook functions.
+        data instead of hook functions. ``compiled_hooks`` (names or name filters) declares the
+        names where TransformerLens hook functions run inside the compiled graph, with the eager
+        engine's semantics; each can also be read and steered there.
         """
-        model = checkpoint_of(path, compiled_capture, compiled_steering, engine_kwargs)
+        model = checkpoint_of(
+            path, compiled_capture, compiled_steering, engine_kwargs, compiled_hooks
+        )
         graph_names = model.compiled.graph_names if model.compiled else ()
         engine_kwargs = {**model_impl_args(model.mapping), **engine_kwargs}
         engine = Engine(str(path), graph_names, model.mapping.cpu_engine_args, **engine_kwargs)
@@ -402,17 +407,20 @@ def checkpoint_of(
     compiled_capture: NamesFilter | Sequence[str],
     compiled_steering: NamesFilter | Sequence[str],
     engine_kwargs: dict[str, Any],
+    compiled_hooks: NamesFilter | Sequence[str] = (),
 ) -> Checkpoint:
     """A checkpoint's config and mapping, refused before any engine starts where vlens cannot
     serve it with these engine arguments, and its compiled names declared (None: eager)."""
     config = AutoConfig.from_pretrained(path)
     mapping = mapping_for(config)
-    wants_graph = bool(compiled_capture or compiled_steering)
+    wants_graph = bool(compiled_capture or compiled_steering or compiled_hooks)
     check_loadable(mapping, config.architectures[0], engine_kwargs, wants_graph)
     compiled = None
     if wants_graph:
         specs = all_specs(mapping, config)
-        compiled = declare(specs, config, compiled_capture, compiled_steering, mapping.unavailable)
+        compiled = declare(
+            specs, config, compiled_capture, compiled_steering, mapping.unavailable, compiled_hooks
+        )
     return Checkpoint(config, mapping, compiled, AutoTokenizer.from_pretrained(path))
 
 

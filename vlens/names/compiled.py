@@ -1,10 +1,13 @@
-"""Declaring, when a model loads, which names its compiled graph reads and steers.
+"""Declaring, when a model loads, which names its compiled graph reads, steers and runs hook
+functions at.
 
 vLLM's compiled mode traces the forward once; only hooks present at that moment run afterwards
 (:mod:`vlens.runtime.graph`). So a compiled engine serves exactly the names declared here:
 ``compiled_capture`` (names to read; a derived name such as ``attn.hook_pattern`` declares the
-names it is built from) and ``compiled_steering`` (names :class:`~vlens.runtime.steering.Steer` values
-may change). Everything else is refused with the eager alternative named.
+names it is built from), ``compiled_steering`` (names :class:`~vlens.runtime.steering.Steer`
+values may change) and ``compiled_hooks`` (names where Python hook functions run inside the graph,
+:mod:`vlens.runtime.hook_sites`; such a name can also be read and steered, through the same
+site). Everything else is refused with the eager alternative named.
 """
 
 from __future__ import annotations
@@ -29,12 +32,13 @@ LOGITS = "unembed.hook_out"
 @dataclass(frozen=True)
 class CompiledNames:
     """What a compiled engine's graph reads (``capture``, as declared, and ``traced``: those
-    and the logits) and may change (``steering``)."""
+    and the logits), may change (``steering``) and runs hook functions at (``hooks``)."""
 
     capture: frozenset[str]
     steering: frozenset[str]
     graph_names: tuple[GraphName, ...]
     traced: frozenset[str] = frozenset()
+    hooks: frozenset[str] = frozenset()
 
 
 def declare(
@@ -43,13 +47,21 @@ def declare(
     capture: NamesFilter | Sequence[str],
     steering: NamesFilter | Sequence[str],
     explain: Explain | None = None,
+    hooks: NamesFilter | Sequence[str] = (),
 ) -> CompiledNames:
-    """The graph names for ``capture`` and ``steering`` (name lists or name filters)."""
+    """The graph names for ``capture``, ``steering`` and ``hooks`` (name lists or name
+    filters)."""
     known = list(specs)
     captured: set[str] = set()
     for name in _chosen(capture, known, explain):
         captured |= set(site_sources(specs, name))
     steered = set(_chosen(steering, known, explain))
+    hooked = set(_chosen(hooks, known, explain))
+    named = {hooks} if isinstance(hooks, str) else set(hooks) if not callable(hooks) else set()
+    for name in sorted(hooked):
+        if name in named:  # named one by one: what cannot carry hooks in the graph is refused
+            check_hookable(name, specs[name])
+    hooked = {name for name in hooked if hookable_in_graph(specs[name])}
     for name in sorted(captured | steered):
         spec = specs[name]
         if isinstance(spec, HookSpec) and spec.site.event == "sampled":
@@ -65,14 +77,39 @@ def declare(
             name,
             spec.site,
             spec.read,
-            per_position_shape(spec, config),
+            per_position_shape(spec, config) if name in traced | steered else (),
             capture=name in traced,
             steer=name in steered,
+            hook=name in hooked,
         )
         for name, spec in specs.items()
-        if name in traced | steered and isinstance(spec, HookSpec)
+        if name in traced | steered | hooked and isinstance(spec, HookSpec)
     )
-    return CompiledNames(frozenset(captured), frozenset(steered), graph_names, frozenset(traced))
+    return CompiledNames(
+        frozenset(captured), frozenset(steered), graph_names, frozenset(traced), frozenset(hooked)
+    )
+
+
+def hookable_in_graph(spec: Spec) -> bool:
+    """Whether hook functions can run at a name inside the graph: one read from a module call
+    of the forward."""
+    return isinstance(spec, HookSpec) and spec.site.event != "sampled"
+
+
+def check_hookable(name: str, spec: Spec) -> None:
+    """Hook functions run inside the graph at a name read from one module call of the forward."""
+    if isinstance(spec, HookSpec) and spec.site.event == "sampled":
+        raise ValueError(
+            f"{name} is read after the forward, outside the compiled graph: it needs no "
+            f"declaration (hook it as on an eager engine)"
+        )
+    if isinstance(spec, DerivedSpec):
+        raise NotImplementedError(
+            f"{name} cannot be declared in compiled_hooks yet: vLLM never forms it, and for a "
+            f"hook on it vlens computes that layer's attention in Python, which a compiled "
+            f"engine does not offer yet; use {EAGER} for hooks on attention scores, patterns "
+            f"and per-head results"
+        )
 
 
 def logits_rows(specs: dict[str, Spec]) -> set[str]:

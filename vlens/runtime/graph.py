@@ -25,7 +25,7 @@ name's rows are kept by one of the ranks for the user's process.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from vlens.runtime.hook_sites import install_hook_site
 from vlens.runtime.host_stream import HostStream, Slot
 from vlens.runtime.layout import RequestRows, StepRows
 from vlens.runtime.locations import Site
@@ -63,6 +64,8 @@ class GraphName:
     trailing: tuple[int, ...]
     capture: bool
     steer: bool
+    #: Python hook functions may run at the name's site (:mod:`vlens.runtime.hook_sites`)
+    hook: bool = False
 
     @property
     def width(self) -> int:
@@ -194,11 +197,21 @@ class GraphSites:
             for g in names
             if g.steer
         }
+        #: the sites where hook functions run, by their op's number; installed first, they run
+        #: first at a site (the traced capture and steering see what the hook functions left)
+        self.hook_sites = {
+            site: install_hook_site(model, site, self._hook_site_handler(site))
+            for site in dict.fromkeys(g.site for g in names if g.hook)
+        }
         by_site: dict[Site, list[GraphName]] = defaultdict(list)
         for graph_name in names:
-            by_site[graph_name.site].append(graph_name)
+            if graph_name.capture or graph_name.steer:
+                by_site[graph_name.site].append(graph_name)
         for site, at_site in by_site.items():
             install_site(model, site, self._traced_hook(tuple(at_site)))
+        #: what runs at a hook site (the worker runtime's handler of a fired site); set by the
+        #: worker runtime, which exists once the engine is running
+        self.run_hook_site: Callable[[Site, tuple, dict, Any], None] | None = None
         self.call = CallState()
         #: counts the changes of what the requests being served asked (prepare, finish)
         self.revision = 0
@@ -209,6 +222,13 @@ class GraphSites:
         self._row_views: dict[tuple[str, ...], list[Tensor]] = {}
 
     # ---- inside the graph --------------------------------------------------------------------
+
+    def _hook_site_handler(self, site: Site) -> Callable[[tuple, dict, Any], None]:
+        def handle(args: tuple, kwargs: dict, output: Any) -> None:
+            if self.run_hook_site is not None:
+                self.run_hook_site(site, args, kwargs, output)
+
+        return handle
 
     def _traced_hook(self, at_site: tuple[GraphName, ...]):
         def on_call(args: tuple, kwargs: dict, output: Any) -> None:

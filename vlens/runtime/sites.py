@@ -124,20 +124,24 @@ def find_module(model: nn.Module, path: str) -> nn.Module:
         ) from None
 
 
+class SiteHook:
+    """A torch hook that hands a module call's ``(args, kwargs, output)`` to ``on_call``. An
+    object rather than a closure: torch.compile, tracing a hook into a graph, guards on what a
+    closure holds, and some of its versions cannot guard a function held that way."""
+
+    def __init__(self, on_call: Callable[[tuple, dict, Any], None]) -> None:
+        self.on_call = on_call
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict, output: Any = None) -> None:
+        self.on_call(args, kwargs, output)
+
+
 def install_site(model: nn.Module, site: Site, on_call: Callable[[tuple, dict, Any], None]):
     """Register the torch hook for ``site``; returns its removable handle."""
     module = find_module(model, site.path)
     if site.event == "input":
-
-        def pre_hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
-            on_call(args, kwargs, None)
-
-        return module.register_forward_pre_hook(pre_hook, with_kwargs=True)
-
-    def post_hook(_module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        on_call(args, kwargs, output)
-
-    return module.register_forward_hook(post_hook, with_kwargs=True)
+        return module.register_forward_pre_hook(SiteHook(on_call), with_kwargs=True)
+    return module.register_forward_hook(SiteHook(on_call), with_kwargs=True)
 
 
 @torch.no_grad()

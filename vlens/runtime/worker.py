@@ -19,12 +19,13 @@ from __future__ import annotations
 import signal
 import threading
 import traceback
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
 
-from vlens.runtime import host_blocks, orphans
+from vlens.runtime import hook_sites, host_blocks, orphans
 from vlens.runtime.attention import AttentionSites, unsupported
 from vlens.runtime.batches import batched_sites, call_of, in_batches, shape_key
 from vlens.runtime.graph import GraphSites
@@ -86,6 +87,12 @@ class WorkerRuntime:
         parallel = TensorParallel.of_this_worker()
         self.parallel = parallel if parallel.size > 1 else None
         self.hands_back = parallel.rank == 0  # one rank hands results back
+        #: a compiled engine's sites where hook functions run inside the graph, fired by it
+        #: (:mod:`vlens.runtime.hook_sites`) rather than by torch hooks installed per call
+        self.graph_hook_sites = graph.hook_sites if graph is not None else {}
+        self._fired_in_graph: dict[Site, Callable[[tuple, dict, Any], None]] = {}
+        if graph is not None:
+            graph.run_hook_site = self._graph_hook_site_fired
         self._wrap_model_forward()
         apply_cpu_patches(self.model)
 
@@ -115,8 +122,9 @@ class WorkerRuntime:
                 self.attention.prepare(tag, plan.index, plan.call_size, plan.attention)
         self.batched |= batched_sites(requests)
         for site in {site for plan in self.wanted.values() for site in plan.sites}:
-            if site not in self.handles:
+            if site not in self.handles and site not in self.graph_hook_sites:
                 self.handles[site] = install_site(self.model, site, self._site_fired(site))
+        self._activate_graph_hook_sites()
 
     def finish(self, tags: list[str], device: str = "cpu") -> Handback:
         """Hand back (on ``device``) and forget what these requests captured; drop sites nobody
@@ -141,6 +149,7 @@ class WorkerRuntime:
             for site in list(self.handles):
                 if site not in still_needed:
                     self.handles.pop(site).remove()
+            self._activate_graph_hook_sites()
             if not self.wanted:
                 self.followed.clear()
                 self.furthest.clear()
@@ -153,6 +162,20 @@ class WorkerRuntime:
                 for tag in tags:
                     self.furthest.pop(tag, None)
                 self.store.forget_others(set(self.wanted))
+
+    def _activate_graph_hook_sites(self) -> None:
+        """Let the graph's hook sites that the requests being served need call in; the others
+        return at once."""
+        if not self.graph_hook_sites:
+            return
+        needed = {site for plan in self.wanted.values() for site in plan.sites}
+        for site, number in self.graph_hook_sites.items():
+            hook_sites.activate((number,), site in needed)
+
+    def _graph_hook_site_fired(self, site: Site, args: tuple, kwargs: dict, output: Any) -> None:
+        if site not in self._fired_in_graph:
+            self._fired_in_graph[site] = self._site_fired(site)
+        self._fired_in_graph[site](args, kwargs, output)
 
     def holds(self) -> dict[str, int]:
         """How many requests this worker follows and holds captures of, and how many sites are

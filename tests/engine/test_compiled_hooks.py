@@ -1,0 +1,188 @@
+"""TransformerLens hook functions inside a compiled engine (``compiled_hooks``): the eager engine's
+semantics at the declared names (edits in place or returned, every later name seeing them,
+batched calls, ``hook.positions``, ``HookError``), the eager engine's results, and refusals
+that name the declaration to add."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+import transformer_lens.patching as tl_patching
+from torch import Tensor
+
+from vlens import HookedVLLM, HookError, Steer, patching
+from vlens.runtime import hook_sites
+
+TOLERANCE = dict(rtol=1e-5, atol=1e-5)  # fp32: the compiled graph's kernels against eager ones
+TEXTS = ["The cat sat on the mat", "Hello world, this is"]
+GREEDY = dict(do_sample=False, stop_at_eos=False, return_type="tokens")
+RESID = "blocks.1.hook_resid_post"
+
+
+def every_name(name: str) -> bool:
+    """``compiled_hooks``' filter for these tests: every name that can carry hooks in the graph."""
+    return True
+
+
+@pytest.fixture(scope="module")
+def hookable(hooked) -> HookedVLLM:
+    return hooked("llama", compiled_hooks=every_name)
+
+
+@pytest.fixture(scope="module")
+def eager(hooked) -> HookedVLLM:
+    return hooked("llama")
+
+
+def vector(model: HookedVLLM, seed: int = 0) -> Tensor:
+    return 20 * torch.randn(model.cfg.d_model, generator=torch.Generator().manual_seed(seed))
+
+
+def test_a_steering_hook_function_generates_the_eager_engines_tokens(hookable, eager):
+    v = vector(eager)
+
+    def steer(x: Tensor, hook) -> Tensor:
+        return x + v.to(x.device, x.dtype)
+
+    ours = hookable.generate(TEXTS, max_new_tokens=8, fwd_hooks=[(RESID, steer)], **GREEDY)
+    theirs = eager.generate(TEXTS, max_new_tokens=8, fwd_hooks=[(RESID, steer)], **GREEDY)
+    assert ours == theirs
+    assert ours != hookable.generate(TEXTS, max_new_tokens=8, **GREEDY), "the hook changed nothing"
+
+
+def test_edits_in_place_reach_every_later_name_as_on_the_eager_engine(hookable, eager):
+    """z edited in place (head 1 zeroed): the logits and later names follow, as eager."""
+    def zero_head(z: Tensor, hook) -> None:
+        z[:, :, 1] = 0
+
+    names = ["blocks.0.attn.hook_z", "blocks.0.hook_attn_out", "blocks.2.hook_resid_post"]
+    caches = []
+    for model in (hookable, eager):
+        with model.hooks(fwd_hooks=[("blocks.0.attn.hook_z", zero_head)]):
+            caches.append(model.run_with_cache(TEXTS, names_filter=names, max_new_tokens=3))
+    (ours_logits, ours), (theirs_logits, theirs) = caches
+    assert torch.all(ours["blocks.0.attn.hook_z"][:, :, 1] == 0)
+    torch.testing.assert_close(ours_logits, theirs_logits, **TOLERANCE)
+    for name in names:
+        torch.testing.assert_close(ours[name], theirs[name], **TOLERANCE, msg=name)
+
+
+def test_shared_hooks_run_on_the_batch_with_positions_as_on_the_eager_engine(hookable, eager):
+    """Equal-length prompts: one call on the batch at prefill and at each decode step."""
+    tokens = torch.randint(2, 500, (3, 6), generator=torch.Generator().manual_seed(1))
+    seen = {}
+    for label, model in (("hookable", hookable), ("eager", eager)):
+        calls = []
+
+        def record(x: Tensor, hook, calls=calls) -> None:
+            calls.append((tuple(x.shape), hook.requests, hook.positions.cpu().tolist()))
+
+        model.generate(tokens, max_new_tokens=3, fwd_hooks=[(RESID, record)], **GREEDY)
+        seen[label] = calls
+    assert seen["hookable"] == seen["eager"]
+    assert seen["hookable"][0][:2] == ((3, 6, 128), (0, 1, 2))
+
+
+def test_a_steer_at_a_hook_name_runs_as_on_the_eager_engine(hookable, eager):
+    """A Steer at a name declared for hooks (not for compiled steering) runs as a hook."""
+    steers = [[Steer(RESID, add=vector(eager, 3), positions=slice(4, None))], []]
+    ours = hookable.generate(TEXTS, max_new_tokens=6, prompt_steering=steers, **GREEDY)
+    assert ours == eager.generate(TEXTS, max_new_tokens=6, prompt_steering=steers, **GREEDY)
+
+
+def test_a_failing_hook_is_a_hook_error_and_the_engine_keeps_serving(hookable):
+    expected = hookable.generate(TEXTS, max_new_tokens=4, **GREEDY)
+
+    def broken(x: Tensor, hook) -> None:
+        raise RuntimeError("on purpose")
+
+    with pytest.raises(HookError, match="on purpose"):
+        hookable.run_with_hooks(TEXTS, fwd_hooks=[(RESID, broken)])
+    with pytest.raises(HookError, match=r"returned shape \(1, 3\)"):
+        hookable.run_with_hooks(TEXTS, fwd_hooks=[(RESID, lambda x, hook: torch.zeros(1, 3))])
+    assert hookable.generate(TEXTS, max_new_tokens=4, **GREEDY) == expected
+
+
+def test_vlens_patching_equals_the_eager_engine(hookable, eager):
+    clean = torch.randint(2, 500, (2, 6), generator=torch.Generator().manual_seed(2))
+    corrupted = clean.clone()
+    corrupted[:, 2] = (corrupted[:, 2] + 1) % 500
+
+    def metric(logits: Tensor) -> Tensor:
+        return (logits[:, -1, 3] - logits[:, -1, 4]).mean()
+
+    results = []
+    for model in (hookable, eager):
+        _, cache = model.run_with_cache(clean)
+        results.append(patching.get_act_patch_resid_pre(model, corrupted, cache, metric))
+    torch.testing.assert_close(results[0], results[1], **TOLERANCE)
+    assert results[0].abs().max() > 1e-3  # the patches moved the metric
+
+
+def test_transformer_lens_patching_runs_on_the_hookable_engine(hookable, eager):
+    clean = torch.randint(2, 500, (2, 6), generator=torch.Generator().manual_seed(4))
+    corrupted = clean.clone()
+    corrupted[:, 3] = (corrupted[:, 3] + 5) % 500
+    cells = pd.DataFrame([[0, 3], [1, 3], [2, 5]], columns=["layer", "pos"])
+
+    def metric(logits: Tensor) -> Tensor:
+        return logits[:, -1].logsumexp(-1).mean()
+
+    results = []
+    for model in (hookable, eager):
+        _, cache = model.run_with_cache(clean, names_filter=lambda n: n.endswith("resid_pre"))
+        results.append(tl_patching.generic_activation_patch(
+            model, corrupted, cache, metric, tl_patching.layer_pos_patch_setter, "resid_pre",
+            index_df=cells,
+        ))
+    torch.testing.assert_close(results[0], results[1], **TOLERANCE)
+
+
+def test_an_idle_hook_site_costs_nothing_and_changes_nothing(hookable, eager):
+    """With no hook in a call no site of the graph calls into Python, and the tokens are the
+    eager engine's."""
+    assert not hook_sites._active
+    assert hookable.generate(TEXTS, max_new_tokens=6, **GREEDY) == eager.generate(
+        TEXTS, max_new_tokens=6, **GREEDY
+    )
+    assert not hook_sites._active
+
+
+def test_a_name_not_declared_is_refused_with_the_declaration_to_add(hooked):
+    model = hooked("llama", compiled_hooks=(RESID,))
+    with pytest.raises(ValueError, match=r"compiled_hooks=\['blocks.0.hook_resid_post'\]"):
+        model.run_with_hooks(TEXTS, fwd_hooks=[("blocks.0.hook_resid_post", lambda x, h: None)])
+    with pytest.raises(NotImplementedError, match="attention"):
+        hooked("llama", compiled_hooks=("blocks.0.attn.hook_pattern",))
+
+
+def test_two_ranks_run_hooks_in_their_graphs_as_one_eager_rank(eager, engine_args):
+    """Tensor parallelism: every rank runs the hook function inside its graph on the whole value
+    (z is split over the ranks: gathered for the hook, each rank's slice written back)."""
+    if torch.version.cuda is not None and torch.cuda.device_count() < 2:
+        pytest.skip("two ranks need two GPUs here (on the CPU, two cores)")
+    from vlens.testing import tiny_model
+
+    names = ("blocks.0.attn.hook_z", RESID)
+    parallel = HookedVLLM.from_pretrained(
+        tiny_model("llama"), dtype="float32", tensor_parallel_size=2, compiled_hooks=names,
+        **engine_args,
+    )
+    v = vector(eager, 5)
+
+    def zero_head(z: Tensor, hook) -> None:
+        z[:, :, 2] = 0
+
+    def steer(x: Tensor, hook) -> Tensor:
+        return x + v.to(x.device, x.dtype)
+
+    hooks = [("blocks.0.attn.hook_z", zero_head), (RESID, steer)]
+    ours = parallel.generate(TEXTS, max_new_tokens=6, fwd_hooks=hooks, **GREEDY)
+    assert ours == eager.generate(TEXTS, max_new_tokens=6, fwd_hooks=hooks, **GREEDY)
+    with parallel.hooks(fwd_hooks=hooks[:1]):
+        _, cache = parallel.run_with_cache(TEXTS, names_filter=list(names))
+    with eager.hooks(fwd_hooks=hooks[:1]):
+        _, expected = eager.run_with_cache(TEXTS, names_filter=list(names))
+    for name in names:
+        torch.testing.assert_close(cache[name], expected[name], **TOLERANCE, msg=name)
