@@ -69,9 +69,9 @@ def install_hook_site(model: nn.Module, site: Site, handler: Handler) -> int:
     module = find_module(model, site.path)
 
     if site.event == "input":
-        module.register_forward_pre_hook(OpCall(number), with_kwargs=True)
+        module.register_forward_pre_hook(OpCall(number, False), with_kwargs=True)
     else:
-        module.register_forward_hook(OpCall(number), with_kwargs=True)
+        module.register_forward_hook(OpCall(number, True), with_kwargs=True)
     return number
 
 
@@ -82,14 +82,15 @@ class OpCall:
     whose tensors the compiler must keep alive until it runs (vLLM's fused norms reuse their
     inputs' memory once nothing reads them later)."""
 
-    def __init__(self, number: int) -> None:
+    def __init__(self, number: int, after: bool) -> None:
         self.number = number
+        self.after = after  # a forward hook (the output), else a forward pre-hook (the arguments)
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict, output: Any = None) -> None:
-        if output is None:
-            torch.ops.vlens.hook_site(*flattened(args, kwargs, None), self.number)
-        else:
+        if self.after:
             torch.ops.vlens.hook_site(*flattened((), {}, output), self.number)
+        else:
+            torch.ops.vlens.hook_site(*flattened(args, kwargs, None), self.number)
 
 
 def flattened(args: tuple, kwargs: dict, output: Any) -> tuple[list[Tensor], list[int], str]:
