@@ -27,7 +27,7 @@ decoding:
   (TransformerLens hook functions inside the graph): *idle* is its ``vllm.LLM.generate`` with no
   vlens request, *steer* ``generate`` with one shared hook function adding a vector at one layer,
   *read* one cloning that layer's value at every step, *nothing_all* one doing nothing at every
-  layer.
+  layer. ``hooks_1``: the same with only that one layer declared (no *nothing_all*).
 - ``hf``: HuggingFace transformers with forward hooks, prefill only (batches of ``hf_batch``):
   no hook, one layer's residual cloned, every layer's.
 - ``transformer_lens``: TransformerLens's ``TransformerBridge`` on HuggingFace (compatibility
@@ -58,6 +58,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -298,6 +299,23 @@ def record_runner(timer: Timer, llm: Any) -> None:
     timer.meta["runner"] = f"{runner_kind(runner).upper()} ({type(runner).__module__})"
 
 
+def write_profile(profile: Path, n_prompts: int, new: int,
+                  runs: tuple[tuple[str, Callable[[], Any]], ...]) -> None:
+    """Append cProfile listings of ``runs`` (label, call) to ``profile``."""
+    with profile.open("a") as out:
+        for label, run in runs:
+            profiler = cProfile.Profile()
+            start = time.perf_counter()
+            profiler.runcall(run)
+            seconds = time.perf_counter() - start
+            text = io.StringIO()
+            stats = pstats.Stats(profiler, stream=text)
+            stats.sort_stats("tottime").print_stats(25)
+            stats.sort_stats("cumulative").print_stats(40)
+            out.write(f"\n===== {label}: {n_prompts} prompts x {new} new tokens, "
+                      f"{seconds:.2f} s under cProfile =====\n{text.getvalue()}")
+
+
 def worker_eager(
     preset: dict[str, Any], path: Path, timer: Timer, profile: Path | None, skip: set[str]
 ) -> None:
@@ -372,22 +390,11 @@ def worker_eager(
 
     if profile is not None:
         short = preset["profile_new_tokens"]
-        with profile.open("a") as out:
-            for label, run in (
-                ("plain generate", lambda: plain(short, False)),
-                ("cache_1 generate", lambda: cache([one], short)),
-                ("steer generate", lambda: steered(short)),
-            ):
-                profiler = cProfile.Profile()
-                start = time.perf_counter()
-                profiler.runcall(run)
-                seconds = time.perf_counter() - start
-                text = io.StringIO()
-                stats = pstats.Stats(profiler, stream=text)
-                stats.sort_stats("tottime").print_stats(25)
-                stats.sort_stats("cumulative").print_stats(40)
-                out.write(f"\n===== {label}: {len(prompts)} prompts x {short} new tokens, "
-                          f"{seconds:.2f} s under cProfile =====\n{text.getvalue()}")
+        write_profile(profile, len(prompts), short, (
+            ("plain generate", lambda: plain(short, False)),
+            ("cache_1 generate", lambda: cache([one], short)),
+            ("steer generate", lambda: steered(short)),
+        ))
     # last: the heaviest (every layer, every step), so that running out of time loses only it
     if "cache_all_generate" not in skip:
         timer.measure("cache_all", "generate", lambda: cache(every, new), rep=0)
@@ -461,10 +468,13 @@ def worker_graph(preset: dict[str, Any], path: Path, timer: Timer, every_layer: 
             timer.measure("graph_1_steer", "generate", lambda: steered(new), rep=rep)
 
 
-def worker_hooks(preset: dict[str, Any], path: Path, timer: Timer) -> None:
+def worker_hooks(
+    preset: dict[str, Any], path: Path, timer: Timer, profile: Path | None, every_layer: bool
+) -> None:
     """TransformerLens hook functions on a compiled engine: every layer's ``hook_resid_post``
-    declared in ``compiled_hooks``; nothing registered, one shared steering function at one
-    layer, one function reading one layer, and a function that does nothing at every layer."""
+    declared in ``compiled_hooks`` (else one layer's); nothing registered, one shared steering
+    function at one layer, one function reading one layer, and (every layer declared) a function
+    that does nothing at every layer."""
     import torch
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -474,7 +484,9 @@ def worker_hooks(preset: dict[str, Any], path: Path, timer: Timer) -> None:
     n_layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
     one = f"blocks.{preset['layer']}.hook_resid_post"
     every = [f"blocks.{i}.hook_resid_post" for i in range(n_layers)]
-    model = HookedVLLM.from_pretrained(path, dtype=preset["dtype"], compiled_hooks=every,
+    kind = "hooks" if every_layer else "hooks_1"
+    model = HookedVLLM.from_pretrained(path, dtype=preset["dtype"],
+                                       compiled_hooks=every if every_layer else [one],
                                        **preset["engine"])
     llm = model.engine.llm
     record_runner(timer, llm)
@@ -490,8 +502,13 @@ def worker_hooks(preset: dict[str, Any], path: Path, timer: Timer) -> None:
                                use_tqdm=False)
         return sum(len(o.outputs[0].token_ids) for o in outputs)
 
-    def steer(x, hook):
-        return x + vector.to(x.device, x.dtype)
+    on_device: dict[str, torch.Tensor] = {}
+
+    def steer(x, hook):  # the vector moved to the GPU once, as a user's hook would hold it
+        key = f"{x.device}{x.dtype}"
+        if key not in on_device:
+            on_device[key] = vector.to(x.device, x.dtype)
+        return x + on_device[key]
 
     def look(x, hook):
         read.append(x.clone())
@@ -507,11 +524,20 @@ def worker_hooks(preset: dict[str, Any], path: Path, timer: Timer) -> None:
 
     generated(2, [(one, steer)])
     for rep in range(timer.reps):
-        timer.measure("hooks_idle", "generate", lambda: plain(new), rep=rep)
-        timer.measure("hooks_steer", "generate", lambda: generated(new, [(one, steer)]), rep=rep)
-        timer.measure("hooks_read", "generate", lambda: generated(new, [(one, look)]), rep=rep)
-        timer.measure("hooks_nothing_all", "generate",
-                      lambda: generated(new, [(name, nothing) for name in every]), rep=rep)
+        timer.measure(f"{kind}_idle", "generate", lambda: plain(new), rep=rep)
+        timer.measure(f"{kind}_steer", "generate", lambda: generated(new, [(one, steer)]), rep=rep)
+        timer.measure(f"{kind}_read", "generate", lambda: generated(new, [(one, look)]), rep=rep)
+        if every_layer:
+            timer.measure("hooks_nothing_all", "generate",
+                          lambda: generated(new, [(name, nothing) for name in every]), rep=rep)
+    if profile is not None:
+        short = preset["profile_new_tokens"]
+        runs = [(f"{kind} steer generate", lambda: generated(short, [(one, steer)])),
+                (f"{kind} read generate", lambda: generated(short, [(one, look)]))]
+        if every_layer:
+            runs.append(("hooks nothing at every layer",
+                         lambda: generated(short, [(name, nothing) for name in every])))
+        write_profile(profile, len(prompts), short, tuple(runs))
 
 
 def peak_rss_bytes() -> int:
@@ -627,12 +653,13 @@ def worker_transformer_lens(preset: dict[str, Any], path: Path, timer: Timer) ->
 
 # ---- the orchestrating process -----------------------------------------------------------------
 
-WORKERS = ("eager", "compiled", "graph_1", "graph_all", "hooks", "hf", "transformer_lens")
+WORKERS = ("eager", "compiled", "graph_1", "graph_all", "hooks", "hooks_1", "hf",
+           "transformer_lens")
 
 
 #: Seconds each worker may take (``--timeouts`` overrides), so that one run ends in time.
 TIMEOUTS = {"eager": 300, "compiled": 150, "graph_1": 300, "graph_all": 300, "hooks": 300,
-            "hf": 80,
+            "hooks_1": 300, "hf": 80,
             "transformer_lens": 300}
 
 
@@ -700,6 +727,9 @@ LABELS = {
     "hooks_steer": "vlens compiled_hooks: generate, a hook function steering one layer",
     "hooks_read": "vlens compiled_hooks: generate, a hook function cloning one layer per step",
     "hooks_nothing_all": "vlens compiled_hooks: generate, a hook doing nothing at every layer",
+    "hooks_1_idle": "vlens compiled, one layer in compiled_hooks, no vlens request",
+    "hooks_1_steer": "vlens compiled_hooks (one layer): generate, a hook function steering it",
+    "hooks_1_read": "vlens compiled_hooks (one layer): generate, a hook function cloning it",
     "tl_cache_1": "TransformerLens (TransformerBridge on HF) run_with_cache, one layer",
     "tl_cache_all": "TransformerLens (TransformerBridge on HF) run_with_cache, every layer",
     "tl_steer": "TransformerLens (TransformerBridge on HF) generate, one steering vector",
@@ -786,8 +816,10 @@ def main(argv: list[str] | None = None) -> int:
             worker_compiled(preset, args.model_path, timer)
         elif args.worker in ("graph_1", "graph_all"):
             worker_graph(preset, args.model_path, timer, every_layer=args.worker == "graph_all")
-        elif args.worker == "hooks":
-            worker_hooks(preset, args.model_path, timer)
+        elif args.worker in ("hooks", "hooks_1"):
+            profile = args.out / "profile.txt" if args.profile else None
+            worker_hooks(preset, args.model_path, timer, profile,
+                         every_layer=args.worker == "hooks")
         elif args.worker == "transformer_lens":
             worker_transformer_lens(preset, args.model_path, timer)
         else:

@@ -10,7 +10,11 @@ the server's memory (the resident memory of its processes) after warm-up, every 
 end, and its status once idle (every worker follows no request, no plan is left, the store
 within its bound).
 
-    python bench/serve_soak.py [--minutes 3] [--clients 24] [--out bench/out-cpu-soak]
+    python bench/serve_soak.py [--minutes 3] [--clients 24] [--out bench/out-cpu-soak] [--plain]
+
+``--plain``: every client sends plain completions only (no ``vlens`` field), the same server's
+baseline, to tell vLLM's own memory growth from vlens's. The memory is also recorded per process
+(the API server, the engine core).
 """
 
 from __future__ import annotations
@@ -50,12 +54,17 @@ def prompt_of(rng: random.Random, length: int | None = None) -> list[int]:
 
 
 class Soak:
-    def __init__(self, base: str, vector: list[float]) -> None:
+    def __init__(self, base: str, vector: list[float], keepalive: float | None = None) -> None:
         self.base = base
         self.vector = vector
         self.outcomes: Counter[tuple[str, str]] = Counter()
         self.lock = threading.Lock()
-        self.client = openai.OpenAI(base_url=base, api_key=KEY, max_retries=0, timeout=120)
+        # keepalive: how long the shared client keeps an idle connection for reuse (httpx's
+        # default, 5 s, is the server's own keep-alive timeout: a connection reused just as the
+        # server closes it is lost without an answer)
+        pooled = httpx.Client(limits=httpx.Limits(keepalive_expiry=keepalive)) if keepalive else None
+        self.client = openai.OpenAI(base_url=base, api_key=KEY, max_retries=0, timeout=120,
+                                    http_client=pooled)
         self.reference = self.solo_reference()
 
     def count(self, kind: str, outcome: str) -> None:
@@ -160,12 +169,14 @@ class Soak:
             return "gave up"
         return "finished first"
 
-    def client_loop(self, seed: int, deadline: float) -> None:
+    def client_loop(self, seed: int, deadline: float, plain: bool = False) -> None:
         rng = random.Random(seed)
         actions = [self.plain, self.steered_by_name, self.capture_and_fetch,
                    self.capture_never_fetched, self.capture_too_large, self.guessed_id,
                    self.stream_and_leave, self.give_up, self.reference_again]
         weights = [3, 3, 3, 2, 1, 1, 2, 1, 1]
+        if plain:
+            actions, weights = [self.plain], [1]
         while time.monotonic() < deadline:
             action = rng.choices(actions, weights)[0]
             try:
@@ -186,6 +197,11 @@ def status(base: str) -> dict:
 
 def resident_bytes(root: int) -> int:
     """The resident memory of process ``root`` and all its descendants."""
+    return sum(resident_by_process(root).values())
+
+
+def resident_by_process(root: int) -> dict[str, int]:
+    """The resident memory of process ``root`` and each of its descendants, by ``pid name``."""
     children: dict[int, list[int]] = {}
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -194,16 +210,17 @@ def resident_bytes(root: int) -> int:
             children.setdefault(parent, []).append(int(entry))
         except OSError:
             continue
-    total, todo = 0, [root]
+    found, todo = {}, [root]
     while todo:
         pid = todo.pop()
         todo.extend(children.get(pid, []))
         try:
-            with open(f"/proc/{pid}/statm") as statm:
-                total += int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            with open(f"/proc/{pid}/comm") as comm, open(f"/proc/{pid}/statm") as statm:
+                pages = int(statm.read().split()[1])
+                found[f"{pid} {comm.read().strip()}"] = pages * os.sysconf("SC_PAGE_SIZE")
         except OSError:
             continue
-    return total
+    return found
 
 
 def main() -> None:
@@ -211,6 +228,10 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=3.0)
     parser.add_argument("--clients", type=int, default=24)
     parser.add_argument("--out", type=Path, default=Path("bench/out-cpu-soak"))
+    parser.add_argument("--plain", action="store_true", help="plain completions only")
+    parser.add_argument("--keepalive", type=float,
+                        help="seconds the clients keep an idle connection for reuse (default: "
+                        "httpx's 5 s, the server's own keep-alive timeout)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     vector = torch.randn(128, generator=torch.Generator().manual_seed(11))
@@ -226,14 +247,15 @@ def main() -> None:
     with server_process(command, port, args.out / "server.log", api_key=KEY,
                         started=pids.append) as base:
         server_pid = pids[0]
-        soak = Soak(base, vector.tolist())
+        soak = Soak(base, vector.tolist(), args.keepalive)
         warm = time.monotonic() + 20  # warm-up: every kind of request once, then memory
-        soak.client_loop(0, warm)
+        soak.client_loop(0, warm, args.plain)
         soak.outcomes.clear()
-        memory_start = resident_bytes(server_pid)
+        processes_start = resident_by_process(server_pid)
+        memory_start = sum(processes_start.values())
         start = time.monotonic()
         deadline = start + 60 * args.minutes
-        threads = [threading.Thread(target=soak.client_loop, args=(seed, deadline))
+        threads = [threading.Thread(target=soak.client_loop, args=(seed, deadline, args.plain))
                    for seed in range(1, args.clients + 1)]
         for thread in threads:
             thread.start()
@@ -247,17 +269,24 @@ def main() -> None:
             thread.join()
         time.sleep(5)  # the last aborted requests' clean-up
         idle = status(base)
-        memory_end = resident_bytes(server_pid)
+        processes_end = resident_by_process(server_pid)
+        memory_end = sum(processes_end.values())
         still = soak.reference_again(random.Random(0))
     outcomes = {f"{kind}: {outcome}": n for (kind, outcome), n in sorted(soak.outcomes.items())}
     errors = {key: n for key, n in outcomes.items()
               if any(word in key for word in ("ERROR", "CHANGED", "SERVED", "WRONG"))}
     result = {
         "minutes": args.minutes, "clients": args.clients, "store_bytes": STORE_BYTES,
+        "plain_only": args.plain,
+        "keepalive": args.keepalive,
         "requests": sum(soak.outcomes.values()), "outcomes": outcomes, "errors": errors,
         "reference_after": still, "status_when_idle": idle,
         "server_resident_mib": {"after_warm_up": memory_start / 2**20, "end": memory_end / 2**20,
-                                "during": memory},
+                                "during": memory,
+                                "by_process_mib": {
+                                    name: [round(processes_start.get(name, 0) / 2**20, 1),
+                                           round(size / 2**20, 1)]
+                                    for name, size in processes_end.items()}},
     }
     (args.out / "soak.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))

@@ -155,8 +155,10 @@ KV_CACHE_UPDATE_OPS = ("vllm::unified_kv_cache_update", "vllm::unified_mla_kv_ca
 def hook_site_compilation(user_config: Any) -> dict[str, Any]:
     """vLLM's compilation config for an engine whose graph runs hook functions: the hook sites'
     op (:data:`vlens.runtime.hook_sites.OP`) among the ops the graph is split at, beside vLLM's
-    own (attention), and CUDA graphs captured piecewise, between those ops, so that the op runs
-    eagerly at every step (a full CUDA graph would replay what it did once, at capture)."""
+    own (attention), so that vLLM captures the pieces between them as CUDA graphs and runs the op
+    eagerly in between. Any CUDA graph mode: a step in which some site is active never replays a
+    full CUDA graph (which would replay what the op did once, at capture; see
+    :func:`vlens.runtime.hook_sites.no_full_graphs_while_active`), the others do."""
     from vllm.config import CompilationConfig
 
     from vlens.runtime.hook_sites import OP
@@ -170,14 +172,6 @@ def hook_site_compilation(user_config: Any) -> dict[str, Any]:
             "compilation_config: on an engine with compiled_hooks pass it as a dict, which vlens "
             "extends with the op its hook sites are split at"
         )
-    mode = config.get("cudagraph_mode")
-    if mode is not None and str(mode).upper().rsplit(".", 1)[-1] not in ("PIECEWISE", "NONE"):
-        raise ValueError(
-            f"compilation_config cudagraph_mode={mode!r} is not supported with compiled_hooks: a "
-            f"full CUDA graph replays the forward without running Python; use PIECEWISE (the "
-            f"default vlens sets) or NONE"
-        )
-    config.setdefault("cudagraph_mode", "PIECEWISE")
     # vLLM's own default where none is given: attention, and the KV cache's update ops
     default = [*CompilationConfig._attention_ops, *KV_CACHE_UPDATE_OPS]
     splitting = list(config.get("splitting_ops") or default)

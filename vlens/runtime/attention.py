@@ -51,7 +51,7 @@ from vlens.runtime.attention_math import (
     projection_weights,
     softmax_pattern,
 )
-from vlens.runtime.batches import in_batches, rows_key
+from vlens.runtime.batches import StepBatch, in_batches, rows_key
 from vlens.runtime.hooks import call_hooks, hook_batch, hook_point, refuse_part_of_a_prefill
 from vlens.runtime.kv_history import KeyValueHistory
 from vlens.runtime.layout import RequestRows
@@ -284,11 +284,12 @@ class AttentionSites:
         edited = False
         if functions:
             batched = hook_batch(values)
-            indices = tuple(member.state.index for member in batch)
-            name, rows = first.names[stage], [member.rows for member in batch]
+            name = first.names[stage]
+            rows = StepBatch([member.rows for member in batch],
+                             tuple(member.state.index for member in batch))
             if first.shared:
-                refuse_part_of_a_prefill(name, functions, rows, indices)
-            hook = hook_point(name, rows, indices, batched.device, self.contexts)
+                refuse_part_of_a_prefill(name, functions, rows)
+            hook = hook_point(name, rows, batched.device, self.contexts)
             batched, edited = call_hooks(functions, batched, hook)
             values = list(batched.unbind(0))
         for (rows, state, _), value in zip(batch, values):

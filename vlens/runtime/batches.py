@@ -24,13 +24,17 @@ rank receives the same plans and reads the same layout, so every rank groups ali
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import TypeVar
+from dataclasses import dataclass, field
+from typing import NamedTuple, TypeVar
+
+import torch
+from torch import Tensor
 
 from vlens.runtime.layout import RequestRows
 from vlens.runtime.locations import Site
-from vlens.runtime.messages import NamePlan, RequestPlan
+from vlens.runtime.messages import NamePlan, RequestCapture, RequestPlan
 
-Member = TypeVar("Member")
+Item = TypeVar("Item")
 
 
 def call_of(tag: str) -> str:
@@ -75,17 +79,17 @@ def shape_key(rows: RequestRows) -> tuple[str, int, bool]:
 
 
 def in_batches(
-    members: Sequence[Member],
-    key: Callable[[Member], Hashable | None],
-    call_size: Callable[[Member], int],
-    index: Callable[[Member], int],
-    alike: Callable[[Member, Member], bool] | None = None,
-) -> list[list[Member]]:
+    members: Sequence[Item],
+    key: Callable[[Item], Hashable | None],
+    call_size: Callable[[Item], int],
+    index: Callable[[Item], int],
+    alike: Callable[[Item, Item], bool] | None = None,
+) -> list[list[Item]]:
     """``members`` (one per request of this step) as the lists that run together: those of one
     ``key`` form one batch, in ``index`` order, where they are the whole call (``call_size`` of
     them) and ``alike`` the first; every other member alone (and any with the key None)."""
-    batches: list[list[Member]] = []
-    together: dict[Hashable, list[Member]] = {}
+    batches: list[list[Item]] = []
+    together: dict[Hashable, list[Item]] = {}
     for member in members:
         found = key(member)
         if found is None:
@@ -99,3 +103,58 @@ def in_batches(
         else:
             batches.extend([member] for member in group)
     return batches
+
+
+class Member(NamedTuple):
+    """A request served at a site in this step: its rows, its plan, where its values go."""
+
+    rows: RequestRows
+    plan: RequestPlan
+    capture: RequestCapture
+
+
+@dataclass
+class StepBatch:
+    """Requests of one step that run a site's hook functions together (one, or a call's whole
+    batch), in their order in the call, and where their rows are. Sites with the same requests
+    share it, so that a step with hooks at every layer works this out once, not per layer."""
+
+    rows: list[RequestRows]
+    indices: tuple[int, ...]  # in the call
+    members: list[Member] = field(default_factory=list)
+    first_positions: tuple[int, ...] = field(init=False)
+    #: the members' rows as one span of the step (consecutive, in this order), else None
+    span: RequestRows | None = field(init=False)
+    #: whether some member prefills in this step
+    prefills: bool = field(init=False)
+    _index: dict[torch.device, Tensor] = field(init=False, default_factory=dict)
+
+    @classmethod
+    def of(cls, members: list[Member]) -> StepBatch:
+        rows = [member.rows for member in members]
+        return cls(rows, tuple(member.plan.index for member in members), members)
+
+    def __post_init__(self) -> None:
+        self.first_positions = tuple(rows.first_position for rows in self.rows)
+        self.prefills = any(rows.is_prefill for rows in self.rows)
+        first = self.rows[0]
+        if len(self.rows) == 1:
+            self.span = first
+        elif all(a.stop == b.start for a, b in zip(self.rows, self.rows[1:])):
+            self.span = RequestRows(first.tag, first.start, self.rows[-1].stop,
+                                    first.first_position, 0)
+        else:
+            self.span = None
+
+    @property
+    def length(self) -> int:
+        """Each member's number of rows (one for all)."""
+        return self.rows[0].stop - self.rows[0].start
+
+    def index(self, device: torch.device) -> Tensor:
+        """The members' rows of the step, gathered in batch order (where they are no span)."""
+        if device not in self._index:
+            self._index[device] = torch.tensor(
+                [i for own in self.rows for i in range(own.start, own.stop)], device=device
+            )
+        return self._index[device]

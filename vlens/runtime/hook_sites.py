@@ -9,6 +9,11 @@ so that what a hook function edits in place is what the rest of the graph comput
 the op is one of the compilation's ``splitting_ops``: vLLM captures the graph's pieces between
 such ops as CUDA graphs and runs the op itself eagerly between them (piecewise mode).
 
+A step in which no site is active needs no Python: it replays vLLM's full CUDA graph where vLLM
+captured one (decode steps, in its default mode), in which the op did nothing at capture. While
+some site is active, the runner's choice of graph is kept off full graphs (:func:`no_full_graphs_while_active`),
+so that every step runs the op.
+
 What runs inside is the eager engine's own machinery (:class:`~vlens.runtime.worker.WorkerRuntime`
 handling the call as if a torch hook had fired), so hook functions have the eager engine's
 semantics exactly. A site no request of the step needs returns at once.
@@ -16,6 +21,7 @@ semantics exactly. A site no request of the step needs returns at once.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -53,6 +59,41 @@ def activate(numbers: Iterable[int], active: bool) -> None:
         _active.update(numbers)
     else:
         _active.difference_update(numbers)
+
+
+def no_full_graphs_while_active(runner: Any) -> None:
+    """Make the model runner choose no full CUDA graph for a step while some hook site is
+    active: the piecewise graph of the step's size where vLLM captured one, else the compiled
+    graph without CUDA graphs. Both vLLM model runners are covered: V1's dispatcher takes the
+    modes it must not choose; V2's manager picks the first captured graph whose description
+    fits the step, and a step described as not uniform fits only piecewise ones. Idempotent."""
+    from vllm.config import CUDAGraphMode
+
+    dispatcher = getattr(runner, "cudagraph_dispatcher", None)  # V1
+    if dispatcher is not None and not hasattr(dispatcher, "_vlens_original"):
+        dispatcher._vlens_original = original_v1 = dispatcher.dispatch
+
+        def dispatch_v1(*args: Any, invalid_modes: Any = None, **kwargs: Any) -> Any:
+            if _active:
+                invalid_modes = {*(invalid_modes or ()), CUDAGraphMode.FULL}
+            return original_v1(*args, invalid_modes=invalid_modes, **kwargs)
+
+        dispatcher.dispatch = dispatch_v1
+    manager = getattr(runner, "cudagraph_manager", None)  # V2
+    if manager is not None and not hasattr(manager, "_vlens_original"):
+        manager._vlens_original = original_v2 = manager.dispatch
+
+        def dispatch_v2(num_reqs: int, num_tokens: int, uniform: int | None, *args: Any,
+                        **kwargs: Any) -> Any:
+            if not _active:
+                return original_v2(num_reqs, num_tokens, uniform, *args, **kwargs)
+            found = original_v2(num_reqs, num_tokens, None, *args, **kwargs)
+            if found.cg_mode != CUDAGraphMode.FULL:
+                return found
+            return dataclasses.replace(found, cg_mode=CUDAGraphMode.NONE, num_tokens=num_tokens,
+                                       num_reqs=num_reqs, uniform_token_count=None)
+
+        manager.dispatch = dispatch_v2
 
 
 @hook_site.register_fake

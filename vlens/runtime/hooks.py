@@ -24,7 +24,7 @@ import torch
 from einops import rearrange
 from torch import Tensor
 
-from vlens.runtime.layout import RequestRows
+from vlens.runtime.batches import StepBatch
 from vlens.runtime.messages import HookError, HookFunction, NamePlan
 from vlens.runtime.readers import writable
 from vlens.runtime.sites import NarrowedCall
@@ -97,20 +97,19 @@ def rows_from_hook(plan: NamePlan, value: Tensor) -> Tensor:
 
 def run_hooks(
     plan: NamePlan,
-    calls: Sequence[NarrowedCall],
-    rows: Sequence[RequestRows],
-    indices: tuple[int, ...],
+    batch: StepBatch,
+    whole: NarrowedCall,
     contexts: dict[str, dict[str, Any]],
 ) -> None:
-    """Run ``plan.hooks`` in order on the value of ``plan.name`` of these requests (``calls``
-    narrowed to each one's ``rows``, all of one length; ``indices`` in the call), batched in that
+    """Run ``plan.hooks`` in order on the value of ``plan.name`` of the requests of ``batch``
+    (``whole``, the site's call over the whole step, narrowed to their rows), batched in their
     order, and write each one's part of the edit back. The batch is read once and written once
     (:func:`batch_call`), whatever its size."""
-    call = batch_call(calls, rows)
+    call = batch_call(whole, batch)
     original = plan.read(call)
-    batched = original.unflatten(0, (len(rows), rows[0].stop - rows[0].start))
+    batched = original.unflatten(0, (len(batch.rows), batch.length))
     value = arranged(plan, hook_copy(batched))
-    hook = hook_point(plan.name, rows, indices, value.device, contexts)
+    hook = hook_point(plan.name, batch, value.device, contexts)
     value, edited = call_hooks(plan.hooks, value, hook)
     if not edited:
         return
@@ -125,16 +124,15 @@ def run_hooks(
 
 
 def refuse_part_of_a_prefill(
-    name: str,
-    functions: Sequence[HookFunction],
-    rows: Sequence[RequestRows],
-    indices: tuple[int, ...],
+    name: str, functions: Sequence[HookFunction], batch: StepBatch
 ) -> None:
     """A hook function shared by a call's prompts is TransformerLens's: it sees each prompt's
     whole prefill at once, and may index it at absolute positions. Where vLLM split a prefill
     over engine steps (an engine built with a ``max_num_batched_tokens`` below the prompt's
     length), running it on a step's part would edit the wrong rows: refused instead."""
-    for own, index in zip(rows, indices):
+    if not batch.prefills:
+        return
+    for own, index in zip(batch.rows, batch.indices):
         rows_run = own.stop - own.start
         if own.is_prefill and (own.first_position > 0 or rows_run < own.prompt_length):
             raise HookError(
@@ -148,19 +146,13 @@ def refuse_part_of_a_prefill(
             )
 
 
-def batch_call(calls: Sequence[NarrowedCall], rows: Sequence[RequestRows]) -> NarrowedCall:
-    """One call narrowed to all of ``rows``, in this order: the request's own call for one;
-    views of one span where they are consecutive rows of the step in this order (the usual case
-    on vLLM's persistent batch); else their rows gathered by index."""
-    first = rows[0]
-    if len(rows) == 1:
-        return calls[0]
-    if all(a.stop == b.start for a, b in zip(rows, rows[1:])):
-        span = RequestRows(first.tag, first.start, rows[-1].stop, first.first_position, 0)
-        return dataclasses.replace(calls[0], rows=span)
-    device = step_device(calls[0])
-    index = torch.tensor([i for own in rows for i in range(own.start, own.stop)], device=device)
-    return dataclasses.replace(calls[0], index=index)
+def batch_call(whole: NarrowedCall, batch: StepBatch) -> NarrowedCall:
+    """The site's call narrowed to the rows of ``batch``, in its order: views of one span where
+    they are consecutive rows of the step in this order (the usual case on vLLM's persistent
+    batch, and always for one request); else their rows gathered by index."""
+    if batch.span is not None:
+        return dataclasses.replace(whole, rows=batch.span)
+    return dataclasses.replace(whole, index=batch.index(step_device(whole)))
 
 
 def step_device(call: NarrowedCall) -> torch.device:
@@ -191,23 +183,18 @@ def hook_batch(values: Sequence[Tensor]) -> Tensor:
 
 
 def hook_point(
-    name: str,
-    rows: Sequence[RequestRows],
-    indices: tuple[int, ...],
-    device: torch.device,
-    contexts: dict[str, dict[str, Any]],
+    name: str, batch: StepBatch, device: torch.device, contexts: dict[str, dict[str, Any]]
 ) -> Hook:
-    """The ``hook`` argument for the requests ``indices`` (of the call) at ``name``, whose rows
-    of this step are ``rows`` (one length for all)."""
+    """The ``hook`` argument for the requests of ``batch`` at ``name``."""
     return Hook(
         name=name,
-        request=indices[0] if len(indices) == 1 else None,
-        first_positions=tuple(own.first_position for own in rows),
-        length=rows[0].stop - rows[0].start,
-        is_prefill=rows[0].is_prefill,
+        request=batch.indices[0] if len(batch.indices) == 1 else None,
+        first_positions=batch.first_positions,
+        length=batch.length,
+        is_prefill=batch.rows[0].is_prefill,
         device=device,
         ctx=contexts.setdefault(name, {}),
-        requests=indices,
+        requests=batch.indices,
     )
 
 

@@ -16,18 +16,26 @@ Hooks on attention scores, patterns and per-head results go to :class:`Attention
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import threading
 import traceback
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from vlens.runtime import hook_sites, host_blocks, orphans
 from vlens.runtime.attention import AttentionSites, unsupported
-from vlens.runtime.batches import batched_sites, call_of, in_batches, shape_key
+from vlens.runtime.batches import (
+    Member,
+    StepBatch,
+    batched_sites,
+    call_of,
+    in_batches,
+    shape_key,
+)
 from vlens.runtime.graph import GraphSites
 from vlens.runtime.hooks import refuse_part_of_a_prefill, run_hooks
 from vlens.runtime.host_stream import Slot
@@ -49,15 +57,6 @@ from vlens.runtime.step_store import Segment, StepStore, add_chunk, copy_rows, k
 from vlens.runtime.tensor_parallel import TensorParallel
 
 
-class Served(NamedTuple):
-    """A request served at a site this step."""
-
-    rows: RequestRows
-    plan: RequestPlan
-    names: tuple[NamePlan, ...]  # its names at the site, in order
-    capture: RequestCapture
-
-
 class WorkerRuntime:
     """Sites, per-step layout and captured values inside one vLLM worker."""
 
@@ -73,6 +72,12 @@ class WorkerRuntime:
         self.contexts: dict[str, dict[str, Any]] = {}
         #: (call, site) where the call's requests may run their hook functions as one batch
         self.batched: set[tuple[str, Site]] = set()
+        #: per site: what decides its step's batches (:meth:`_refresh_site_keys`)
+        self.site_keys: dict[Site, tuple[frozenset[str], frozenset[str]]] = {}
+        #: sites where some request runs a hook function
+        self.hooked_sites: set[Site] = set()
+        #: this step's batches, by site key (:meth:`_batches_at`)
+        self.step_batches: dict[tuple[frozenset[str], frozenset[str]], list[StepBatch]] = {}
         self.handles: dict[Site, Any] = {}
         self.followed: dict[str, Followed] = {}
         #: tag -> the end of the request's furthest rows so far (:func:`mark_sampling`)
@@ -124,6 +129,7 @@ class WorkerRuntime:
         for site in {site for plan in self.wanted.values() for site in plan.sites}:
             if site not in self.handles and site not in self.graph_hook_sites:
                 self.handles[site] = install_site(self.model, site, self._site_fired(site))
+        self._refresh_site_keys()
         self._activate_graph_hook_sites()
 
     def finish(self, tags: list[str], device: str = "cpu") -> Handback:
@@ -149,6 +155,7 @@ class WorkerRuntime:
             for site in list(self.handles):
                 if site not in still_needed:
                     self.handles.pop(site).remove()
+            self._refresh_site_keys()
             self._activate_graph_hook_sites()
             if not self.wanted:
                 self.followed.clear()
@@ -168,6 +175,7 @@ class WorkerRuntime:
         return at once."""
         if not self.graph_hook_sites:
             return
+        hook_sites.no_full_graphs_while_active(self.runner)
         needed = {site for plan in self.wanted.values() for site in plan.sites}
         for site, number in self.graph_hook_sites.items():
             hook_sites.activate((number,), site in needed)
@@ -242,6 +250,7 @@ class WorkerRuntime:
 
     def step_started(self) -> None:
         self.step_rows.clear()
+        self.step_batches.clear()
         mark_sampling(self.layout or (), self.furthest)
         if self.graph is not None:
             self.graph.before_step(self.layout)
@@ -260,64 +269,95 @@ class WorkerRuntime:
         return [row for rows in self.last_step if (row := rows.sampled_row()) is not None]
 
     def _site_fired(self, site: Site):
+        sampled = site.event == "sampled"
+
         def on_call(args: tuple, kwargs: dict, output: Any) -> None:
-            if site.event == "sampled" and output is None:  # logits live on another rank
+            if sampled and output is None:  # logits live on another rank
                 return
-            served = []
-            for rows in self._rows_for(site):
-                plan = self.wanted.get(rows.tag)
-                names = plan.sites.get(site) if plan is not None else None
-                capture = self.captures.get(rows.tag)
-                if names and capture is not None and capture.error is None:
-                    served.append(Served(rows, plan, names, capture))
-            if not served:
+            batches = self._batches_at(site)
+            if not batches:
                 return
-            hooked = any(name.hooks for entry in served for name in entry.names)
-            if site.event != "sampled" and not hooked:
+            if not sampled and site not in self.hooked_sites:
                 whole = NarrowedCall(self.model, None, args, kwargs, output, self.parallel)
-                self._read_whole_step(served, whole)
+                self._read_whole_step(site, batches, whole)
                 return
             buffers = buffers_of(args, kwargs, output)  # to tell a reader's views from new values
-            for batch in self._batches(site, served):
-                calls = [
-                    NarrowedCall(self.model, rows, args, kwargs, output, self.parallel, buffers)
-                    for rows, *_ in batch
-                ]
-                self._serve(batch, calls, site.event == "sampled")
+            whole = NarrowedCall(self.model, None, args, kwargs, output, self.parallel, buffers)
+            for batch in batches:
+                self._serve(site, batch, whole, sampled)
 
         return on_call
 
-    def _batches(self, site: Site, served: list[Served]) -> list[list[Served]]:
-        """The served requests as they run this site's hook functions: a call's requests
-        together where they may (:mod:`vlens.runtime.batches`), every other one alone."""
-        if not self.batched:
-            return [[entry] for entry in served]
+    def _batches_at(self, site: Site) -> list[StepBatch]:
+        """The requests served at a site this step, as they run its hook functions: a call's
+        requests together where they may (:mod:`vlens.runtime.batches`), every other one alone.
+        Worked out once per step for all the sites with the same requests (every layer's
+        site, usually), until a request fails."""
+        key = self.site_keys.get(site)
+        if key is None or site.event == "sampled":
+            return self._batches_of(site, self._rows_for(site))
+        batches = self.step_batches.get(key)
+        if batches is None or any(
+            member.capture.error is not None for batch in batches for member in batch.members
+        ):
+            batches = self.step_batches[key] = self._batches_of(site, self._rows_for(site))
+        return batches
 
-        def key(entry: Served) -> tuple[str, int, bool] | None:
-            rows = entry.rows
+    def _batches_of(self, site: Site, step: list[RequestRows]) -> list[StepBatch]:
+        served = []
+        for rows in step:
+            plan = self.wanted.get(rows.tag)
+            capture = self.captures.get(rows.tag)
+            if plan is not None and plan.sites.get(site) and capture is not None:
+                if capture.error is None:
+                    served.append(Member(rows, plan, capture))
+        if not self.batched:
+            return [StepBatch.of([member]) for member in served]
+
+        def key(member: Member) -> tuple[str, int, bool] | None:
+            rows = member.rows
             return shape_key(rows) if (call_of(rows.tag), site) in self.batched else None
 
-        return in_batches(served, key, lambda e: e.plan.call_size, lambda e: e.plan.index)
+        groups = in_batches(served, key, lambda m: m.plan.call_size, lambda m: m.plan.index)
+        return [StepBatch.of(group) for group in groups]
 
-    def _serve(self, batch: list[Served], calls: list[NarrowedCall], sampled: bool) -> None:
-        """Run the names of a site, in order, for these requests (one, or a call's batch, all
-        with the same names): hook functions on their value (batched), then their kept rows.
-        A failure is recorded for every request of the batch and stops their hooks here.
-        ``sampled``: the site is the sampler's (one row per sampled token, no prefill)."""
-        rows = [entry.rows for entry in batch]
-        indices = tuple(entry.plan.index for entry in batch)
-        captures = [entry.capture for entry in batch]
-        for name in batch[0].names:
+    def _refresh_site_keys(self) -> None:
+        """For each site some request needs: which requests it serves and which calls batch
+        there (what decides its step's batches), and whether a hook function runs there."""
+        tags: dict[Site, set[str]] = {}
+        self.hooked_sites = set()
+        for tag, plan in self.wanted.items():
+            for site, names in plan.sites.items():
+                if names:
+                    tags.setdefault(site, set()).add(tag)
+                if any(name.hooks for name in names):
+                    self.hooked_sites.add(site)
+        batched: dict[Site, set[str]] = {}
+        for call, site in self.batched:
+            batched.setdefault(site, set()).add(call)
+        self.site_keys = {
+            site: (frozenset(served), frozenset(batched.get(site, ())))
+            for site, served in tags.items()
+        }
+        self.step_batches.clear()
+
+    def _serve(self, site: Site, batch: StepBatch, whole: NarrowedCall, sampled: bool) -> None:
+        """Run the names of a site, in order, for the requests of ``batch`` (one, or a call's
+        batch, all with the same names): hook functions on their value (batched), then their
+        kept rows. A failure is recorded for every request of the batch and stops their hooks
+        here. ``sampled``: the site is the sampler's (one row per sampled token, no prefill)."""
+        captures = [member.capture for member in batch.members]
+        for name in batch.members[0].plan.sites[site]:
             try:
                 if name.hooks:
                     if name.shared and not sampled:
-                        refuse_part_of_a_prefill(name.name, name.hooks, rows, indices)
-                    run_hooks(name, calls, rows, indices, self.contexts)
+                        refuse_part_of_a_prefill(name.name, name.hooks, batch)
+                    run_hooks(name, batch, whole, self.contexts)
                 if name.keep:
-                    for call, own, capture in zip(calls, rows, captures):
+                    for own, capture in zip(batch.rows, captures):
                         # Every rank reads (a split value is gathered, a collective); one hands
                         # back, so that results come back once.
-                        value = read_rows(call, name.read)
+                        value = read_rows(dataclasses.replace(whole, rows=own), name.read)
                         if self.hands_back and value is not None:
                             add_chunk(capture.chunks[name.name], Chunk(own.first_position, value))
             except HookError as error:
@@ -330,13 +370,14 @@ class WorkerRuntime:
                     capture.error = message
                 break
 
-    def _read_whole_step(self, served: list[Served], call: NarrowedCall) -> None:
+    def _read_whole_step(self, site: Site, batches: list[StepBatch], call: NarrowedCall) -> None:
         """No hook runs here this step: read each name once over the whole step and copy out
         the rows of the requests that keep it (see :mod:`vlens.runtime.step_store`)."""
         by_name: dict[str, tuple[NamePlan, list[tuple[RequestRows, RequestCapture]]]] = {}
-        for rows, _, names, capture in served:
-            for name in names:
-                by_name.setdefault(name.name, (name, []))[1].append((rows, capture))
+        for batch in batches:
+            for rows, plan, capture in batch.members:
+                for name in plan.sites[site]:
+                    by_name.setdefault(name.name, (name, []))[1].append((rows, capture))
         for name, (plan, keepers) in by_name.items():
             try:
                 value = plan.read(call)  # every rank reads: a split value is gathered
