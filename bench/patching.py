@@ -3,6 +3,7 @@
 
     python bench/patching.py                 # the IOI prompt, SmolLM2-135M, fp32, this CPU
     python bench/patching.py --prompts 8     # the notebook's 8 prompts as one batch
+    python bench/patching.py --hookable      # and the same sweep on a compiled engine
 
 The sweep is ``get_act_patch_resid_pre``: every layer × every position of the residual stream
 entering each block, patched from the clean run into the corrupted one. Prompts and metric are
@@ -21,6 +22,9 @@ both. Each side's clean cache is made before timing (as a user would). Timed, al
 - *vlens*: ``vlens.patching.get_act_patch_resid_pre(model, corrupted, cache, metric)``;
 - *vlens, final logits*: the same with ``final_logits_only=True`` (the metric gets
   ``[batch, 1, d_vocab]``: the logits vLLM computes anyway for sampling);
+- *vlens hookable* (``--hookable``): both of the above on a compiled engine whose residual
+  stream runs hook functions (``compiled_hooks=["blocks.*.hook_resid_pre"]``), with its own
+  clean cache and metric;
 - *TransformerLens*: ``transformer_lens.patching.get_act_patch_resid_pre`` on the bridge
   (``boot_transformers`` + ``enable_compatibility_mode(no_processing=True)``): one HuggingFace
   forward per (layer, position).
@@ -37,6 +41,8 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 os.environ.setdefault("TQDM_DISABLE", "1")  # TransformerLens's per-cell progress bar
@@ -92,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=1, choices=range(1, 9))
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--out", default="/tmp/bench-patching.json")
+    parser.add_argument("--hookable", action="store_true",
+                        help="also sweep on a compiled engine with compiled_hooks")
     args = parser.parse_args(argv)
 
     import transformer_lens.patching as tl_patching
@@ -105,6 +113,11 @@ def main(argv: list[str] | None = None) -> int:
     bridge = TransformerBridge.boot_transformers(path, dtype=torch.float32)
     bridge.enable_compatibility_mode(no_processing=True)
     model = HookedVLLM.from_pretrained(path, dtype="float32")
+    hookable = (
+        HookedVLLM.from_pretrained(path, dtype="float32",
+                                   compiled_hooks=["blocks.*.hook_resid_pre"])
+        if args.hookable else None
+    )
 
     clean_prompts, corrupted_prompts, answers = notebook_prompts(args.prompts)
     clean = bridge.to_tokens(clean_prompts, prepend_bos=True).cpu()
@@ -121,42 +134,41 @@ def main(argv: list[str] | None = None) -> int:
             clean, names_filter=lambda name: name.endswith("hook_resid_pre")
         )
         tl_corrupted_logits = bridge(corrupted)
-    vl_clean_logits, vl_cache = model.run_with_cache(
-        clean, names_filter=lambda name: name.endswith("hook_resid_pre")
-    )
-    vl_corrupted_logits = model(corrupted)
     diffs = {
         "transformer_lens": (
             logit_diff(tl_clean_logits, answer_tokens).item(),
             logit_diff(tl_corrupted_logits, answer_tokens).item(),
         ),
-        "vlens": (
-            logit_diff(vl_clean_logits, answer_tokens).item(),
-            logit_diff(vl_corrupted_logits, answer_tokens).item(),
-        ),
     }
     tl_metric = normalised_metric(answer_tokens, *diffs["transformer_lens"])
-    vl_metric = normalised_metric(answer_tokens, *diffs["vlens"])
-
-    def run_vlens() -> torch.Tensor:
-        return vlens_patching.get_act_patch_resid_pre(model, corrupted, vl_cache, vl_metric)
-
-    def run_vlens_final() -> torch.Tensor:
-        return vlens_patching.get_act_patch_resid_pre(
-            model, corrupted, vl_cache, vl_metric, final_logits_only=True
+    workloads: dict[str, Callable[[], torch.Tensor]] = {}
+    engines = {"vlens": model, "vlens_hookable": hookable}
+    for label, engine in engines.items():
+        if engine is None:
+            continue
+        clean_logits, cache = engine.run_with_cache(
+            clean, names_filter=lambda name: name.endswith("hook_resid_pre")
+        )
+        diffs[label] = (
+            logit_diff(clean_logits, answer_tokens).item(),
+            logit_diff(engine(corrupted), answer_tokens).item(),
+        )
+        metric = normalised_metric(answer_tokens, *diffs[label])
+        workloads[label] = partial(
+            vlens_patching.get_act_patch_resid_pre, engine, corrupted, cache, metric
+        )
+        workloads[f"{label}_final_logits"] = partial(
+            vlens_patching.get_act_patch_resid_pre, engine, corrupted, cache, metric,
+            final_logits_only=True,
         )
 
     def run_transformer_lens() -> torch.Tensor:
         with torch.no_grad():
             return tl_patching.get_act_patch_resid_pre(bridge, corrupted, tl_cache, tl_metric)
 
-    workloads = {
-        "vlens": run_vlens,
-        "vlens_final_logits": run_vlens_final,
-        "transformer_lens": run_transformer_lens,
-    }
+    workloads["transformer_lens"] = run_transformer_lens
+    vlens_runs = [name for name in workloads if name != "transformer_lens"]
     # Warm-up: one forward each (first-call allocations, lazy imports).
-    model(corrupted)
     with torch.no_grad():
         bridge(corrupted)
 
@@ -184,11 +196,16 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": seconds,
         "best_seconds": best,
         "speedup_vs_transformer_lens": {
-            name: best["transformer_lens"] / best[name] for name in ("vlens", "vlens_final_logits")
+            name: best["transformer_lens"] / best[name] for name in vlens_runs
         },
         "max_abs_diff_vs_transformer_lens": {
-            name: (results[name] - reference).abs().max().item()
-            for name in ("vlens", "vlens_final_logits")
+            name: (results[name] - reference).abs().max().item() for name in vlens_runs
+        },
+        "hookable_vs_eager": {
+            name: {"speed": best[name.replace("_hookable", "")] / best[name],
+                   "max_abs_diff": (results[name] - results[name.replace("_hookable", "")])
+                   .abs().max().item()}
+            for name in vlens_runs if "hookable" in name
         },
         "max_abs_result": reference.abs().max().item(),
         "load_before": load_before,
@@ -199,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.save(results, os.path.splitext(args.out)[0] + ".pt")
     print(json.dumps({key: report[key] for key in (
         "sweep", "best_seconds", "speedup_vs_transformer_lens", "max_abs_diff_vs_transformer_lens",
-        "max_abs_result", "logit_diffs_clean_corrupted", "torch_threads")}, indent=2))
+        "max_abs_result", "logit_diffs_clean_corrupted", "hookable_vs_eager", "torch_threads")},
+        indent=2))
     return 0
 
 

@@ -42,13 +42,31 @@ def test_raw_edit_in_place_reaches_the_model(hooked):
         ("model.layers.1.self_attn.rotary_emb.output", "shared by 3 places"),
         ("lm_head.output", "never runs as a module"),
         ("model.output", "never runs as a module"),
-        ("model.layers.1.mlp.act_fn.inputs", "name one: model.layers.1.mlp.act_fn.input.0"),
         ("model.layers.1.input.hidden", "has no argument 'hidden'"),
     ],
 )
 def test_locations_that_cannot_be_hooked(hooked, name, message):
     with pytest.raises(ValueError, match=message):
         hooked("llama").run_with_cache("x", names_filter=name)
+
+
+def test_inputs_read_every_argument_of_the_call(hooked):
+    model = hooked("llama")
+    names = ["model.layers.0.inputs", "model.layers.2.inputs", "blocks.2.hook_resid_pre"]
+    _, cache = model.run_with_cache(TEXTS, names_filter=names)
+    assert "model.layers.2.inputs" in cache
+    first, later = cache["model.layers.0.inputs"], cache["model.layers.2.inputs"]
+    assert list(first) == ["positions", "hidden_states"]  # layer 0's residual is None
+    assert list(later) == ["positions", "hidden_states", "residual"]
+    torch.testing.assert_close(later["hidden_states"] + later["residual"],
+                               cache["blocks.2.hook_resid_pre"])
+    assert torch.equal(later["positions"][1, : len(later["positions"][1])],
+                       torch.arange(later["positions"].shape[1]))
+
+
+def test_a_hook_on_all_of_a_calls_inputs_names_each_argument(hooked):
+    with pytest.raises(ValueError, match="hook one of them: model.layers.1.mlp.act_fn.input.0"):
+        hooked("llama").add_hook("model.layers.1.mlp.act_fn.inputs", lambda x, h: None)
 
 
 def test_unknown_module_lists_near_paths(hooked):

@@ -247,6 +247,8 @@ class VLensCache(ActivationCache):
         self.shapes = shapes
         self.sampled_lengths = torch.zeros_like(lengths)  # tokens sampled per prompt
         self.tokens: Int[Tensor, "batch pos"] | None = None
+        #: ``PATH.inputs`` read as one value: its arguments' cached names, by argument
+        self.groups: dict[str, dict[str, str]] = {}
 
     def unpadded(self, name: str, index: int) -> Tensor:
         """Request ``index``'s value of ``name`` without padding on any position axis."""
@@ -269,11 +271,15 @@ class VLensCache(ActivationCache):
         return positions[None, :] < self.lengths[:, None]
 
     def __getitem__(self, key: Any) -> Tensor:
+        if isinstance(key, str) and key in self.groups:  # a call's arguments, by name
+            return {argument: self[name] for argument, name in self.groups[key].items()}  # type: ignore[return-value]
         return self.cache_dict[self._resolve(key)]
 
     def __contains__(self, key: object) -> bool:
         """Whether ``cache[key]`` finds a value, under any spelling ``__getitem__`` takes (without
         building it)."""
+        if isinstance(key, str) and key in self.groups:
+            return True
         try:
             self._resolve(key)
         except KeyError:
@@ -342,6 +348,7 @@ class VLensCache(ActivationCache):
         cache = VLensCache(values, self.model, self.lengths[rows], self.shapes, still_batched)
         cache.sampled_lengths = self.sampled_lengths[rows]
         cache.tokens = None if self.tokens is None else self.tokens[rows]
+        cache.groups = self.groups
         return cache
 
 

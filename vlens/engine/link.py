@@ -36,6 +36,7 @@ from vlens.runtime.messages import (
     RequestCapture,
     RequestPlan,
 )
+from vlens.runtime.source import Operation
 
 logger = logging.getLogger(__name__)
 
@@ -256,6 +257,11 @@ class Engine:
     def module_tree(self) -> str:
         """``print()`` of vLLM's model on the first rank."""
         return self._on_driver("module_tree")
+
+    def operations(self, path: str) -> list[Operation] | str:
+        """The operations of the forward of the module at ``path``, on the first rank, or why
+        it has none to list (:mod:`vlens.runtime.source`)."""
+        return self._on_driver("operations", path)
 
     def clear_contexts(self) -> None:
         """Forget every hook's ``hook.ctx`` on every rank."""

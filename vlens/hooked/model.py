@@ -44,7 +44,7 @@ from vlens.names.checkpoint import CheckpointWeights
 from vlens.names.compiled import CompiledNames, declare
 from vlens.names.derived import SampledTokens
 from vlens.names.mapping import ArchitectureMapping, DerivedSpec, HookSpec, Site, Spec
-from vlens.names.raw import RawLocations
+from vlens.names.raw import RawLocations, SourceListing
 from vlens.names.resolve import NamesFilter, select_names
 from vlens.runtime.messages import HookFunction
 from vlens.runtime.readers import OutputOf
@@ -103,6 +103,7 @@ class HookedVLLM(TokenMethods, GenerateMethods, ModelViews, ModuleSurface):
             lambda: engine.watch_modules(self.token_lists("probe")[0]),
             compiled is not None,
             engine.tensor_parallel_size,
+            engine.operations,
         )
         self.analysis = AnalysisWeights(self.weights, mapping.weights, config, self.cfg.n_heads)
 
@@ -158,6 +159,13 @@ class HookedVLLM(TokenMethods, GenerateMethods, ModelViews, ModuleSurface):
 
     def __repr__(self) -> str:
         return self.engine.module_tree()
+
+    def source(self, path: str) -> SourceListing:
+        """The operations of the forward of vLLM's module at ``path`` (``print(model)`` shows
+        the paths), in the order they run, each a raw location: ``print(model.source(
+        "model.layers.10.self_attn"))`` lists ``qkv_split_0``, ``self_rotary_emb_0``, ...;
+        ``model.layers.10.self_attn.source.self_rotary_emb_0.output.0`` is the rotated query."""
+        return self.raw.source(path)
 
     @property
     def original_model(self) -> NoReturn:
@@ -322,6 +330,7 @@ class HookedVLLM(TokenMethods, GenerateMethods, ModelViews, ModuleSurface):
         device = torch.device("cpu" if device is None else device)
         check_cache_device(device, self.engine.tensor_parallel_size)
         hooks = self._hooks_per_prompt((), prompt_hooks, len(prompts), max_new_tokens > 1)
+        names_filter, groups = self.raw.grouped(names_filter)
         self.raw.admit(names_filter, max_new_tokens > 1)
         known = list(self.hook_specs)
         if names_filter is None or callable(names_filter):  # raw locations only when named
@@ -350,6 +359,7 @@ class HookedVLLM(TokenMethods, GenerateMethods, ModelViews, ModuleSurface):
             logits = values.get(LOGITS)
             mask = cache.attention_mask
             output = model_output(return_type, logits, cache.tokens, mask, loss_per_token)
+        cache.groups = groups
         if remove_batch_dim:
             cache.remove_batch_dim(len(prompts))
         return output, (cache if return_cache_object else dict(cache.cache_dict))

@@ -180,3 +180,6 @@ class ModuleRecord:
     positional: int = 0
     keywords: tuple[str, ...] = ()
     token_major: bool = True
+    #: the arguments that were tensors (by parameter or keyword, else position), the others None
+    #: or plain values
+    tensors: set[str] = field(default_factory=set)

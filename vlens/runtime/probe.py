@@ -51,6 +51,13 @@ class ModuleProbe:
             record.phases.add("prefill" if rows.is_prefill else "decode")
             record.positional = max(record.positional, len(args))
             record.keywords = tuple(sorted({*record.keywords, *kwargs}))
+            named = [
+                (record.parameters[i] if i < len(record.parameters) else str(i), value)
+                for i, value in enumerate(args)
+            ]
+            record.tensors.update(
+                label for label, value in [*named, *kwargs.items()] if isinstance(value, Tensor)
+            )
             first = output[0] if isinstance(output, tuple) and output else output
             if isinstance(first, Tensor) and (first.dim() == 0 or first.shape[0] != rows.stop):
                 record.token_major = False

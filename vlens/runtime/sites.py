@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from vlens.runtime.layout import RequestRows
 from vlens.runtime.locations import Site, Split
+from vlens.runtime.source import SOURCE, install_operation_site
 from vlens.runtime.tensor_parallel import TensorParallel
 
 
@@ -83,6 +84,11 @@ class NarrowedCall:
         """An argument by keyword, else by position (keywords follow positionals in call order)."""
         if keyword is not None and keyword in self.kwargs:
             return self._narrow(self.kwargs[keyword])
+        if index < 0:
+            raise ValueError(
+                f"this call passes no keyword argument {keyword!r}; its keywords: "
+                f"{', '.join(self.kwargs) or '(none)'}, and {len(self.args)} positional"
+            )
         if 0 <= index < len(self.args):
             return self._narrow(self.args[index])
         return self._narrow(list(self.kwargs.values())[index - len(self.args)])
@@ -137,7 +143,14 @@ class SiteHook:
 
 
 def install_site(model: nn.Module, site: Site, on_call: Callable[[tuple, dict, Any], None]):
-    """Register the torch hook for ``site``; returns its removable handle."""
+    """Register the torch hook for ``site`` (or, for an operation inside a module's forward,
+    ``PATH.source.OP``, route that call: :mod:`vlens.runtime.source`); returns its removable
+    handle."""
+    if SOURCE in site.path:
+        path, operation = site.path.split(SOURCE)
+        return install_operation_site(
+            find_module(model, path), path, operation, site.event != "input", on_call
+        )
     module = find_module(model, site.path)
     if site.event == "input":
         return module.register_forward_pre_hook(SiteHook(on_call), with_kwargs=True)

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from vlens.runtime import hook_sites, host_blocks, orphans
+from vlens.runtime import hook_sites, host_blocks, orphans, source
 from vlens.runtime.attention import AttentionSites, unsupported
 from vlens.runtime.batches import (
     Member,
@@ -52,7 +52,8 @@ from vlens.runtime.messages import (
 )
 from vlens.runtime.patches import apply_cpu_patches
 from vlens.runtime.probe import ModuleProbe
-from vlens.runtime.sites import NarrowedCall, buffers_of, install_site, read_rows
+from vlens.runtime.sites import NarrowedCall, buffers_of, find_module, install_site, read_rows
+from vlens.runtime.source import Operation
 from vlens.runtime.step_store import Segment, StepStore, add_chunk, copy_rows, kept_rows
 from vlens.runtime.tensor_parallel import TensorParallel
 
@@ -194,6 +195,14 @@ class WorkerRuntime:
 
     def module_tree(self) -> str:
         return repr(self.model)
+
+    def operations(self, path: str) -> list[Operation] | str:
+        """The operations of the forward of the module at ``path`` (``PATH.source``), or why
+        it has none to list."""
+        try:
+            return source.operations(find_module(self.model, path))
+        except LookupError as error:
+            return str(error)
 
     def start_probe(self) -> None:
         """Watch which modules run during the next call (see :mod:`vlens.runtime.probe`)."""
