@@ -60,6 +60,19 @@ def hooked() -> Callable[..., HookedVLLM]:
     return get
 
 
+def every_hookable_name(name: str) -> bool:
+    """``compiled_hooks``' filter of the tests' hookable engines: every name that can carry hook
+    functions in the compiled graph."""
+    return True
+
+
+@pytest.fixture(scope="session")
+def hookable_engine(hooked) -> Callable[[str], HookedVLLM]:
+    """``hookable_engine("llama")``: the session's compiled fp32 engine of a tiny model on which
+    hook functions run at every name that can carry them (``compiled_hooks``), built once."""
+    return lambda arch: hooked(arch, compiled_hooks=every_hookable_name)
+
+
 @pytest.fixture(scope="session")
 def bridge() -> Callable[[str], object]:
     """``bridge("llama")``: TransformerLens's ``TransformerBridge`` on the same tiny checkpoint

@@ -20,14 +20,9 @@ GREEDY = dict(do_sample=False, stop_at_eos=False, return_type="tokens")
 RESID = "blocks.1.hook_resid_post"
 
 
-def every_name(name: str) -> bool:
-    """``compiled_hooks``' filter for these tests: every name that can carry hooks in the graph."""
-    return True
-
-
 @pytest.fixture(scope="module")
-def hookable(hooked) -> HookedVLLM:
-    return hooked("llama", compiled_hooks=every_name)
+def hookable(hookable_engine) -> HookedVLLM:
+    return hookable_engine("llama")
 
 
 @pytest.fixture(scope="module")

@@ -103,7 +103,7 @@ class HookedVLLM(TokenMethods, GenerateMethods, ModelViews, ModuleSurface):
             lambda: engine.watch_modules(self.token_lists("probe")[0]),
             compiled is not None,
             engine.tensor_parallel_size,
-            engine.operations,
+            lambda path: engine.operations(path),
         )
         self.analysis = AnalysisWeights(self.weights, mapping.weights, config, self.cfg.n_heads)
 
