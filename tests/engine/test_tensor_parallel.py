@@ -269,7 +269,8 @@ for pid in filter(str.isdigit, os.listdir("/proc")):
 def announce(value, hook):  # killed while the workers run a step
     if hook.is_prefill is False and announce.once:
         announce.once = False
-        print("READY " + json.dumps(children), flush=True)
+        # every rank runs the hook: one write each, so that two ranks' lines never interleave
+        os.write(1, ("READY " + json.dumps(children) + "\n").encode())
         time.sleep(0.5)
 announce.once = True
 model.generate(["orphaned workers"] * 8, max_new_tokens=400, do_sample=False, verbose=False,
