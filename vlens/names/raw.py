@@ -80,11 +80,7 @@ def raw_spec(
     if found is None:
         raise UnknownHookName(name, modules, "this model's module tree")
     path, kind, part = found["path"], found["kind"], found["part"]
-    record = modules.get(path)
-    if record is None:
-        raise UnknownHookName(
-            path, modules, "vLLM's tree for this model", "print(model) shows it", "a module"
-        )
+    record = module_record(path, modules)
     refuse_unusable(path, record)
     if found["operation"] is not None:
         assert operations is not None, "no way to list a forward's operations"
@@ -110,6 +106,17 @@ def raw_spec(
         )
     index = record.parameters.index(part) if part in record.parameters else -1
     return HookSpec(Site(path, "input"), RawInput(index, part), "pos ...")
+
+
+def module_record(path: str, modules: dict[str, ModuleRecord]) -> ModuleRecord:
+    """What the module at ``path`` did while watched; an error listing near paths if vLLM's
+    tree has no such module."""
+    record = modules.get(path)
+    if record is None:
+        raise UnknownHookName(
+            path, modules, "vLLM's tree for this model", "print(model) shows it", "a module"
+        )
+    return record
 
 
 def operation_spec(
@@ -218,13 +225,7 @@ class RawLocations:
     def record_of(self, path: str) -> ModuleRecord:
         """What the module at ``path`` did while watched; an error listing near paths if there
         is none."""
-        record = self.module_records.get(path)
-        if record is None:
-            raise UnknownHookName(
-                path, self.module_records, "vLLM's tree for this model", "print(model) shows it",
-                "a module",
-            )
-        return record
+        return module_record(path, self.module_records)
 
     def source(self, path: str) -> SourceListing:
         """The operations of the forward of the module at ``path``."""
