@@ -547,11 +547,19 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def worker_compiled(preset: dict[str, Any], path: Path, timer: Timer) -> None:
+def worker_compiled(
+    preset: dict[str, Any], path: Path, timer: Timer, piecewise: bool = False
+) -> None:
+    """Plain compiled vLLM in its default CUDA graph mode; ``piecewise``: with
+    ``cudagraph_mode=PIECEWISE``, the mode of any step in which a hook function runs (attention
+    eager between captured pieces), the ceiling of those steps."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     engine = {k: v for k, v in preset["engine"].items()}
+    if piecewise:
+        engine["compilation_config"] = {"cudagraph_mode": "PIECEWISE"}
+    kind = "compiled_piecewise" if piecewise else "compiled"
     llm = LLM(model=str(path), dtype=preset["dtype"], enforce_eager=False,
               enable_prefix_caching=False, **engine)
     from transformers import AutoConfig
@@ -567,8 +575,8 @@ def worker_compiled(preset: dict[str, Any], path: Path, timer: Timer) -> None:
 
     plain(4, False)
     for rep in range(timer.reps):
-        timer.measure("compiled", "prefill", lambda: (plain(1, True), n_prompt)[1], rep=rep)
-        timer.measure("compiled", "generate", lambda: plain(preset["new_tokens"], False), rep=rep)
+        timer.measure(kind, "prefill", lambda: (plain(1, True), n_prompt)[1], rep=rep)
+        timer.measure(kind, "generate", lambda: plain(preset["new_tokens"], False), rep=rep)
 
 
 def worker_hf(preset: dict[str, Any], path: Path, timer: Timer) -> None:
@@ -653,12 +661,12 @@ def worker_transformer_lens(preset: dict[str, Any], path: Path, timer: Timer) ->
 
 # ---- the orchestrating process -----------------------------------------------------------------
 
-WORKERS = ("eager", "compiled", "graph_1", "graph_all", "hooks", "hooks_1", "hf",
+WORKERS = ("eager", "compiled", "compiled_piecewise", "graph_1", "graph_all", "hooks", "hooks_1", "hf",
            "transformer_lens")
 
 
 #: Seconds each worker may take (``--timeouts`` overrides), so that one run ends in time.
-TIMEOUTS = {"eager": 300, "compiled": 150, "graph_1": 300, "graph_all": 300, "hooks": 300,
+TIMEOUTS = {"eager": 300, "compiled": 150, "compiled_piecewise": 150, "graph_1": 300, "graph_all": 300, "hooks": 300,
             "hooks_1": 300, "hf": 80,
             "transformer_lens": 300}
 
@@ -710,6 +718,7 @@ LABELS = {
     "cache_all": "vlens run_with_cache, every layer's resid_post",
     "steer": "vlens generate, one steering vector at one layer",
     "compiled": "plain vLLM, default mode (compiled + CUDA graphs on GPU)",
+    "compiled_piecewise": "plain vLLM, compiled, cudagraph_mode=PIECEWISE (steps with a hook)",
     "hf": "HuggingFace forward, no hook",
     "hf_cache_1": "HuggingFace forward, hook cloning one layer's residual",
     "hf_cache_all": "HuggingFace forward, hooks cloning every layer's residual",
@@ -812,8 +821,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.worker == "eager":
             profile = args.out / "profile.txt" if args.profile else None
             worker_eager(preset, args.model_path, timer, profile, skip)
-        elif args.worker == "compiled":
-            worker_compiled(preset, args.model_path, timer)
+        elif args.worker in ("compiled", "compiled_piecewise"):
+            worker_compiled(preset, args.model_path, timer,
+                            piecewise=args.worker == "compiled_piecewise")
         elif args.worker in ("graph_1", "graph_all"):
             worker_graph(preset, args.model_path, timer, every_layer=args.worker == "graph_all")
         elif args.worker in ("hooks", "hooks_1"):

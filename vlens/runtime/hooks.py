@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -121,6 +121,71 @@ def run_hooks(
         )
     new = rows_from_hook(plan, value).flatten(0, 1)
     plan.read.write(call, new.to(original.dtype))
+
+
+Refusal = Callable[[str, Sequence[HookFunction], StepBatch], None]
+
+
+def run_hooks_together(
+    plan: NamePlan,
+    batches: Sequence[StepBatch],
+    whole: NarrowedCall,
+    contexts: dict[str, dict[str, Any]],
+    refuse: Refusal | None = None,
+) -> dict[int, HookError]:
+    """:func:`run_hooks` for several batches of one step with the same hook functions at
+    ``plan.name``: the value of all their rows is read once, copied once and, if some function
+    edited it, written back once; each batch's functions run on a view of its own rows, as they
+    would alone. (A call's prompts that prefill in different steps, or finish at different
+    times, each run alone: without this, every one of them would cost a read, a copy and a
+    write.) Each batch is first passed to ``refuse``. Returns the failures by ``id`` of the
+    batch; a failed batch's rows are written back as they were."""
+    if plan.arrange is not None or not writable(plan.read):
+        return _one_by_one(plan, batches, whole, contexts, refuse)
+    members = [member for batch in batches for member in batch.members]
+    call = batch_call(whole, StepBatch.of(members))
+    original = plan.read(call)
+    value = hook_copy(original)
+    version = value._version
+    failures: dict[int, HookError] = {}
+    start = 0
+    for batch in batches:
+        rows = slice(start, start + len(batch.rows) * batch.length)
+        start = rows.stop
+        part = value[rows].unflatten(0, (len(batch.rows), batch.length))
+        try:
+            if refuse is not None:
+                refuse(plan.name, plan.hooks, batch)
+            hook = hook_point(plan.name, batch, value.device, contexts)
+            result, _ = call_hooks(plan.hooks, part, hook)
+            if result is not part:
+                part.copy_(result)
+        except HookError as error:
+            failures[id(batch)] = error
+            part.copy_(original[rows].unflatten(0, part.shape[:2]))
+    if value._version != version:
+        plan.read.write(call, value)
+    return failures
+
+
+def _one_by_one(
+    plan: NamePlan,
+    batches: Sequence[StepBatch],
+    whole: NarrowedCall,
+    contexts: dict[str, dict[str, Any]],
+    refuse: Refusal | None,
+) -> dict[int, HookError]:
+    """:func:`run_hooks_together` where the value cannot be viewed per batch (a name
+    TransformerLens arranges otherwise) or written back (then only the batch that edits fails)."""
+    failures: dict[int, HookError] = {}
+    for batch in batches:
+        try:
+            if refuse is not None:
+                refuse(plan.name, plan.hooks, batch)
+            run_hooks(plan, batch, whole, contexts)
+        except HookError as error:
+            failures[id(batch)] = error
+    return failures
 
 
 def refuse_part_of_a_prefill(

@@ -37,7 +37,7 @@ from vlens.runtime.batches import (
     shape_key,
 )
 from vlens.runtime.graph import GraphSites
-from vlens.runtime.hooks import refuse_part_of_a_prefill, run_hooks
+from vlens.runtime.hooks import refuse_part_of_a_prefill, run_hooks, run_hooks_together
 from vlens.runtime.host_stream import Slot
 from vlens.runtime.layout import Followed, RequestRows, StepRows, follow_steps, mark_sampling
 from vlens.runtime.locations import Site
@@ -77,6 +77,8 @@ class WorkerRuntime:
         self.site_keys: dict[Site, tuple[frozenset[str], frozenset[str]]] = {}
         #: sites where some request runs a hook function
         self.hooked_sites: set[Site] = set()
+        #: per hooked site: each request's kind of names there (equal kinds, equal names)
+        self.name_kinds: dict[Site, dict[str, int]] = {}
         #: this step's batches, by site key (:meth:`_batches_at`)
         self.step_batches: dict[tuple[frozenset[str], frozenset[str]], list[StepBatch]] = {}
         self.handles: dict[Site, Any] = {}
@@ -292,8 +294,11 @@ class WorkerRuntime:
                 return
             buffers = buffers_of(args, kwargs, output)  # to tell a reader's views from new values
             whole = NarrowedCall(self.model, None, args, kwargs, output, self.parallel, buffers)
-            for batch in batches:
-                self._serve(site, batch, whole, sampled)
+            for group in self._alike(site, batches):
+                if len(group) == 1:
+                    self._serve(site, group[0], whole, sampled)
+                else:
+                    self._serve_together(site, group, whole, sampled)
 
         return on_call
 
@@ -348,14 +353,34 @@ class WorkerRuntime:
             site: (frozenset(served), frozenset(batched.get(site, ())))
             for site, served in tags.items()
         }
+        self.name_kinds = {site: self._kinds_at(site) for site in self.hooked_sites}
         self.step_batches.clear()
+
+    def _kinds_at(self, site: Site) -> dict[str, int]:
+        """Each request's names at ``site`` as a number, equal where the names (hook functions
+        included) are: requests of one kind may be read and written together."""
+        kinds: dict[tuple[NamePlan, ...], int] = {}
+        found = {}
+        for tag, plan in self.wanted.items():
+            names = plan.sites.get(site)
+            if names:
+                found[tag] = kinds.setdefault(names, len(kinds))
+        return found
+
+    def _alike(self, site: Site, batches: list[StepBatch]) -> list[list[StepBatch]]:
+        """``batches`` grouped by their requests' kind of names at ``site``, each group in the
+        order of the step's rows (one span, where they are consecutive)."""
+        kinds = self.name_kinds.get(site, {})
+        groups: dict[int, list[StepBatch]] = {}
+        for batch in batches:
+            groups.setdefault(kinds.get(batch.rows[0].tag, -1 - len(groups)), []).append(batch)
+        return [sorted(group, key=lambda batch: batch.rows[0].start) for group in groups.values()]
 
     def _serve(self, site: Site, batch: StepBatch, whole: NarrowedCall, sampled: bool) -> None:
         """Run the names of a site, in order, for the requests of ``batch`` (one, or a call's
         batch, all with the same names): hook functions on their value (batched), then their
         kept rows. A failure is recorded for every request of the batch and stops their hooks
         here. ``sampled``: the site is the sampler's (one row per sampled token, no prefill)."""
-        captures = [member.capture for member in batch.members]
         for name in batch.members[0].plan.sites[site]:
             try:
                 if name.hooks:
@@ -363,21 +388,60 @@ class WorkerRuntime:
                         refuse_part_of_a_prefill(name.name, name.hooks, batch)
                     run_hooks(name, batch, whole, self.contexts)
                 if name.keep:
-                    for own, capture in zip(batch.rows, captures):
-                        # Every rank reads (a split value is gathered, a collective); one hands
-                        # back, so that results come back once.
-                        value = read_rows(dataclasses.replace(whole, rows=own), name.read)
-                        if self.hands_back and value is not None:
-                            add_chunk(capture.chunks[name.name], Chunk(own.first_position, value))
-            except HookError as error:
-                for capture in captures:
-                    capture.error, capture.cause = str(error), error.__cause__
+                    self._keep(name, batch, whole)
+            except Exception as error:
+                self._record(batch, name.name, error)
                 break
-            except Exception:
-                message = f"while reading {name.name}:\n{traceback.format_exc()}"
-                for capture in captures:
-                    capture.error = message
-                break
+
+    def _serve_together(
+        self, site: Site, batches: list[StepBatch], whole: NarrowedCall, sampled: bool
+    ) -> None:
+        """:meth:`_serve` for batches whose requests carry the same names at ``site`` (the
+        prompts of a call that do not run as one batch in this step, each alone): each name's
+        value is read, copied and written back once for all of them
+        (:func:`~vlens.runtime.hooks.run_hooks_together`); the hook functions still run per
+        batch, on views of their rows. A batch that fails stops there; the others go on."""
+        live = list(batches)
+        for name in live[0].members[0].plan.sites[site]:
+            if name.hooks:
+                refuse = None if sampled or not name.shared else refuse_part_of_a_prefill
+                try:
+                    failures = run_hooks_together(name, live, whole, self.contexts, refuse)
+                except Exception as error:
+                    failures = {id(batch): error for batch in live}
+                for batch in live:
+                    if id(batch) in failures:
+                        self._record(batch, name.name, failures[id(batch)])
+                live = [batch for batch in live if id(batch) not in failures]
+            if name.keep:
+                for batch in list(live):
+                    try:
+                        self._keep(name, batch, whole)
+                    except Exception as error:
+                        self._record(batch, name.name, error)
+                        live.remove(batch)
+            if not live:
+                return
+
+    def _keep(self, name: NamePlan, batch: StepBatch, whole: NarrowedCall) -> None:
+        """Capture ``name``'s value (as the hooks left it) for each request of ``batch``."""
+        for own, member in zip(batch.rows, batch.members):
+            # Every rank reads (a split value is gathered, a collective); one hands back, so
+            # that results come back once.
+            value = read_rows(dataclasses.replace(whole, rows=own), name.read)
+            if self.hands_back and value is not None:
+                add_chunk(member.capture.chunks[name.name], Chunk(own.first_position, value))
+
+    @staticmethod
+    def _record(batch: StepBatch, name: str, error: BaseException) -> None:
+        """A failure at ``name``, for every request of ``batch``."""
+        for member in batch.members:
+            if isinstance(error, HookError):
+                member.capture.error, member.capture.cause = str(error), error.__cause__
+            else:
+                member.capture.error = f"while reading {name}:\n" + "".join(
+                    traceback.format_exception(error)
+                )
 
     def _read_whole_step(self, site: Site, batches: list[StepBatch], call: NarrowedCall) -> None:
         """No hook runs here this step: read each name once over the whole step and copy out
