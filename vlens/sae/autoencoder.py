@@ -1,0 +1,255 @@
+"""SAELens's sparse autoencoders, run from the folders SAELens saves, without SAELens.
+
+``SAE.load_from_disk(folder)`` reads ``cfg.json`` and ``sae_weights.safetensors``; the module
+has SAELens's attribute names (``cfg``, ``W_enc``, ``W_dec``, ``b_enc``, ``b_dec``,
+``threshold``, ``b_gate``, ``b_mag``, ``r_mag``) and computes what SAELens's ``encode``,
+``decode`` and ``forward`` compute. :meth:`SAE.stages` gives, in one pass, every value that
+SAELens's hook points inside the SAE see (``hook_sae_input`` ... ``hook_sae_output``).
+
+One pass, in SAELens's order::
+
+    hook_sae_input     x in the SAE's dtype; [..., n_heads, d_head] flattened for hook_z
+    (normalise)        x' = norm(x) (vlens.sae.normalize), minus b_dec if apply_b_dec_to_input
+    hook_sae_acts_pre  h = x' W_enc + b_enc
+                       (gated: the magnitude path, x' (W_enc ⊙ exp(r_mag)) + b_mag)
+    hook_sae_acts_post f = act(h)              (vlens.sae.activations)
+    hook_sae_recons    f W_dec + b_dec
+                       (topk with rescale_acts_by_decoder_norm: f / ‖W_dec rows‖ first)
+    (restore)          the normalisation undone, heads unflattened: the decoded x̂
+    hook_sae_error     x − x̂                   (only with use_error_term)
+    hook_sae_output    x̂, or x̂ + (x − x̂) with use_error_term
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from jaxtyping import Float
+from torch import Tensor, nn
+
+from vlens.sae import activations
+from vlens.sae.config import DTYPES, SAEConfig, SAEFormatError, check_folder
+from vlens.sae.normalize import Restore, normalize
+from vlens.sae.weights import ALL_WEIGHT_NAMES, check_weights, read_weights, weight_shapes
+
+# An SAE's input: a vector of d_in, or for a hook_z SAE one vector per attention head.
+SAEInput = Float[Tensor, "... d_in"] | Float[Tensor, "... n_heads d_head"]
+
+HOOK_NAMES = (
+    "hook_sae_input",
+    "hook_sae_acts_pre",
+    "hook_sae_acts_post",
+    "hook_sae_recons",
+    "hook_sae_error",
+    "hook_sae_output",
+)
+
+
+@dataclass(frozen=True, eq=False)
+class Encoded:
+    """What one encode computed, and what decoding its features back needs."""
+
+    sae_in: Float[Tensor, "... d_in"]
+    acts_pre: Float[Tensor, "... d_sae"]
+    acts_post: Float[Tensor, "... d_sae"]
+    restore: Restore
+    d_head: int | None
+
+
+class SAE(nn.Module):
+    """A sparse autoencoder in SAELens's terms (see the module's docstring for the formulas).
+
+    The parameters are frozen (vlens reads SAEs, it does not train them; ``requires_grad_()``
+    unfreezes them); gradients still flow to the input. ``use_error_term`` makes
+    :meth:`forward` return the input itself, up to rounding, with the SAE's error as its own
+    term, as SAELens's does.
+    """
+
+    cfg: SAEConfig
+    W_enc: nn.Parameter
+    W_dec: nn.Parameter
+    b_dec: nn.Parameter
+    b_enc: nn.Parameter | None
+    threshold: nn.Parameter | None
+    b_gate: nn.Parameter | None
+    b_mag: nn.Parameter | None
+    r_mag: nn.Parameter | None
+
+    def __init__(
+        self,
+        cfg: SAEConfig,
+        weights: Mapping[str, Tensor] | None = None,
+        use_error_term: bool = False,
+    ) -> None:
+        """An SAE of ``cfg`` with ``weights`` (named as in SAELens's files; zeros if None)."""
+        super().__init__()
+        self.cfg = cfg
+        self.use_error_term = use_error_term
+        shapes = weight_shapes(cfg)
+        if weights is None:
+            weights = {name: torch.zeros(shape) for name, shape in shapes.items()}
+        check_weights(dict(weights), cfg, where="the weights given")
+        for name in ALL_WEIGHT_NAMES:
+            value = weights.get(name) if name in shapes else None
+            parameter = None
+            if value is not None:
+                parameter = nn.Parameter(value.to(cfg.torch_dtype), requires_grad=False)
+            self.register_parameter(name, parameter)
+        # What the last encode measured, which decode needs to undo (as in SAELens, whose
+        # decode also reads the statistics of the last encode).
+        self._restore: Restore | None = None
+        self.d_head: int | None = None
+
+    @classmethod
+    def load_from_disk(
+        cls,
+        path: str | Path,
+        device: str | torch.device = "cpu",
+        dtype: str | torch.dtype | None = None,
+    ) -> SAE:
+        """The SAE that SAELens saved in ``path``, on ``device``, in ``dtype`` (the file's when
+        None). SAELens's classmethod of the same name, for its folders."""
+        folder = check_folder(path)
+        cfg = SAEConfig.read(folder)
+        if dtype is not None:
+            name = dtype if isinstance(dtype, str) else _dtype_name(dtype)
+            cfg = replace(cfg, dtype=name.removeprefix("torch."))
+        return cls(cfg, read_weights(folder, cfg, device)).eval()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.W_enc.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.W_enc.device
+
+    def encode(self, x: SAEInput) -> Float[Tensor, "... d_sae"]:
+        """The feature activations of ``x`` (what SAELens's ``hook_sae_acts_post`` sees)."""
+        encoded = self._encode(x)
+        self._restore, self.d_head = encoded.restore, encoded.d_head
+        return encoded.acts_post
+
+    def decode(
+        self, feature_acts: Float[Tensor, "... d_sae"], d_head: int | None = None
+    ) -> SAEInput:
+        """The reconstruction of ``feature_acts``: ``f W_dec + b_dec``, with the input
+        normalisation of the last :meth:`encode` undone and, for a hook_z SAE, the heads
+        unflattened (``d_head`` given, or the last encoded input's)."""
+        restore = self._restore
+        if restore is None:
+            if self.cfg.normalize_activations in ("constant_norm_rescale", "layer_norm"):
+                raise RuntimeError(
+                    f"decode undoes the {self.cfg.normalize_activations} of the input, whose "
+                    f"statistics the last encode measured: call encode first (or use forward)"
+                )
+            restore = Restore()
+        return self._finish(self._linear_decode(feature_acts), restore, d_head or self.d_head)
+
+    def forward(self, x: SAEInput) -> SAEInput:
+        """``decode(encode(x))``, plus the error term ``x − decode(encode(x))`` when
+        ``use_error_term`` (what SAELens's ``hook_sae_output`` sees)."""
+        return self.stages(x)["hook_sae_output"]
+
+    def stages(self, x: SAEInput) -> dict[str, Tensor]:
+        """Every value SAELens's hook points inside the SAE would record for ``x``, by hook name,
+        in the order they run: ``hook_sae_input``, ``hook_sae_acts_pre``, ``hook_sae_acts_post``,
+        ``hook_sae_recons``, ``hook_sae_error`` (only with ``use_error_term``),
+        ``hook_sae_output``.
+
+        SAELens computes the error from a second, unhooked pass; nothing here can change a
+        value in between, so that pass's reconstruction is this one's.
+        """
+        encoded = self._encode(x)
+        recons = self._linear_decode(encoded.acts_post)
+        output = self._finish(recons, encoded.restore, encoded.d_head)
+        values = {
+            "hook_sae_input": encoded.sae_in,
+            "hook_sae_acts_pre": encoded.acts_pre,
+            "hook_sae_acts_post": encoded.acts_post,
+            "hook_sae_recons": recons,
+        }
+        if self.use_error_term:
+            error = x - output
+            values["hook_sae_error"] = error
+            output = output + error
+        values["hook_sae_output"] = output
+        return values
+
+    def _encode(self, x: SAEInput) -> Encoded:
+        sae_in, d_head = x.to(self.dtype), None
+        if self.cfg.reshape_activations == "hook_z":
+            d_head = sae_in.shape[-1]
+            sae_in = self._flatten_heads(sae_in)
+        normed, restore = normalize(sae_in, self.cfg.normalize_activations, self.cfg.d_in)
+        if self.cfg.apply_b_dec_to_input:
+            normed = normed - self.b_dec
+        acts_pre, acts_post = self._activate(normed)
+        return Encoded(sae_in, acts_pre, acts_post, restore, d_head)
+
+    def _activate(
+        self, x: Float[Tensor, "... d_in"]
+    ) -> tuple[Float[Tensor, "... d_sae"], Float[Tensor, "... d_sae"]]:
+        """``(h, f)``: the pre-activations SAELens's ``hook_sae_acts_pre`` sees, and the
+        features."""
+        architecture = self.cfg.architecture
+        if architecture == "gated":
+            gate_pre = x @ self.W_enc + self.b_gate
+            magnitude_pre = x @ (self.W_enc * self.r_mag.exp()) + self.b_mag
+            return magnitude_pre, activations.gate(gate_pre, magnitude_pre)
+        pre = x @ self.W_enc + self.b_enc
+        if architecture == "jumprelu":
+            return pre, activations.jump_relu(pre, self.threshold)
+        if architecture == "topk":
+            # The choice is made on decoder-norm-weighted pre-activations when the SAE was
+            # trained so; hook_sae_acts_pre still sees the unweighted ones.
+            chosen_on = pre
+            if self.cfg.rescale_acts_by_decoder_norm:
+                chosen_on = pre * self.W_dec.norm(dim=-1)
+            return pre, activations.top_k(chosen_on, self.cfg.k)
+        return pre, torch.relu(pre)
+
+    def _linear_decode(
+        self, feature_acts: Float[Tensor, "... d_sae"]
+    ) -> Float[Tensor, "... d_in"]:
+        if self.cfg.architecture == "topk" and self.cfg.rescale_acts_by_decoder_norm:
+            feature_acts = feature_acts * (1 / self.W_dec.norm(dim=-1))
+        return feature_acts @ self.W_dec + self.b_dec
+
+    def _finish(
+        self, recons: Float[Tensor, "... d_in"], restore: Restore, d_head: int | None
+    ) -> SAEInput:
+        out = restore(recons)
+        if self.cfg.reshape_activations != "hook_z":
+            return out
+        if d_head is None:
+            raise RuntimeError(
+                "a hook_z SAE decodes to [..., n_heads, d_head]: pass d_head, or encode an "
+                "input first (its last dimension is d_head)"
+            )
+        return out.unflatten(-1, (-1, d_head))
+
+    def _flatten_heads(self, x: Tensor) -> Float[Tensor, "... d_in"]:
+        if x.ndim < 2 or x.shape[-2] * x.shape[-1] != self.cfg.d_in:
+            raise ValueError(
+                f"a hook_z SAE reads [..., n_heads, d_head] with n_heads × d_head = d_in "
+                f"({self.cfg.d_in}); got shape {list(x.shape)}"
+            )
+        return x.flatten(-2)
+
+    def extra_repr(self) -> str:
+        cfg = self.cfg
+        return (
+            f"architecture={cfg.architecture!r}, d_in={cfg.d_in}, d_sae={cfg.d_sae}, "
+            f"hook_name={cfg.hook_name!r}"
+        )
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    for name, known in DTYPES.items():
+        if known == dtype:
+            return name
+    raise SAEFormatError(f"dtype {dtype} is not one of {', '.join(DTYPES)}")
