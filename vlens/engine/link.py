@@ -27,6 +27,7 @@ from vlens.engine.support import engine_args, hook_site_compilation
 from vlens.runtime import host_blocks, shared_tensors
 from vlens.runtime.graph import GraphName
 from vlens.runtime.graph_worker import graph_names_for_workers
+from vlens.runtime.locations import Site
 from vlens.runtime.messages import (
     TAG_KEY,
     Handback,
@@ -36,7 +37,9 @@ from vlens.runtime.messages import (
     RequestCapture,
     RequestPlan,
 )
+from vlens.runtime.readers import Reader
 from vlens.runtime.source import Operation
+from vlens.sae.autoencoder import SAE
 
 logger = logging.getLogger(__name__)
 
@@ -266,6 +269,13 @@ class Engine:
     def clear_contexts(self) -> None:
         """Forget every hook's ``hook.ctx`` on every rank."""
         self._on_workers("clear_contexts")
+
+    def splice(
+        self, key: str, site: Site, read: Reader, sae: SAE | None, use_error_term: bool
+    ) -> None:
+        """Splice ``sae`` in at ``site`` on every rank (None: take the SAE there out), as
+        ``key`` (:mod:`vlens.runtime.splices`)."""
+        self._on_workers("splice", key, site, read, sae, use_error_term)
 
     # ---- the route to the workers ------------------------------------------------------------
 

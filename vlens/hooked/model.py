@@ -37,6 +37,7 @@ from vlens.hooked.outputs import (
     residual_entering,
     stopping_layer,
 )
+from vlens.hooked.saes import SAEMethods
 from vlens.hooked.tokens import Input, TokenMethods, prepare_tokenizer
 from vlens.hooked.views import ModelViews
 from vlens.mappings import mapping_for
@@ -59,7 +60,7 @@ SAMPLER_NAMES: dict[str, Spec] = {
 }
 
 
-class HookedVLLM(TokenMethods, GenerateMethods, ModelViews, ModuleSurface):
+class HookedVLLM(TokenMethods, GenerateMethods, ModelViews, ModuleSurface, SAEMethods):
     """A vLLM engine that answers in TransformerLens hook names.
 
     Build it with :meth:`from_pretrained`; ``print(model)`` shows vLLM's module tree;

@@ -166,6 +166,8 @@ def dimension(label: str, config: PretrainedConfig, shape: str) -> int:
         "n_routed_experts": experts,
     }
     size = sizes[label] if label in sizes else getattr(config, label, None)
+    if label.isdigit():  # a width the name's owner knows (an SAE's d_sae)
+        size = int(label)
     if not isinstance(size, int):
         raise NotImplementedError(
             f"a value of shape {shape!r} cannot be traced into the compiled graph yet (no size "

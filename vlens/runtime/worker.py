@@ -52,10 +52,13 @@ from vlens.runtime.messages import (
 )
 from vlens.runtime.patches import apply_cpu_patches
 from vlens.runtime.probe import ModuleProbe
+from vlens.runtime.readers import Reader
 from vlens.runtime.sites import NarrowedCall, buffers_of, find_module, install_site, read_rows
 from vlens.runtime.source import Operation
+from vlens.runtime.splices import Splice, splices_of
 from vlens.runtime.step_store import Segment, StepStore, add_chunk, copy_rows, kept_rows
 from vlens.runtime.tensor_parallel import TensorParallel
+from vlens.sae.autoencoder import SAE
 
 
 class WorkerRuntime:
@@ -77,6 +80,8 @@ class WorkerRuntime:
         self.site_keys: dict[Site, tuple[frozenset[str], frozenset[str]]] = {}
         #: sites where some request runs a hook function
         self.hooked_sites: set[Site] = set()
+        #: SAEs spliced in, by the site of the name each replaces (:mod:`vlens.runtime.splices`)
+        self.splices: dict[Site, Splice] = {}
         #: per hooked site: each request's kind of names there (equal kinds, equal names)
         self.name_kinds: dict[Site, dict[str, int]] = {}
         #: this step's batches, by site key (:meth:`_batches_at`)
@@ -155,6 +160,7 @@ class WorkerRuntime:
             calls = {call_of(tag) for tag in self.wanted}
             self.batched = {key for key in self.batched if key[0] in calls}
             still_needed = {site for plan in self.wanted.values() for site in plan.sites}
+            still_needed |= self.splices.keys()
             for site in list(self.handles):
                 if site not in still_needed:
                     self.handles.pop(site).remove()
@@ -187,6 +193,22 @@ class WorkerRuntime:
         if site not in self._fired_in_graph:
             self._fired_in_graph[site] = self._site_fired(site)
         self._fired_in_graph[site](args, kwargs, output)
+
+    def splice(self, key: str, site: Site, read: Reader, sae: SAE | None, use_error: bool) -> None:
+        """Splice ``sae`` in at ``site`` as ``key`` (:mod:`vlens.runtime.splices`), replacing
+        any SAE there; None takes the SAE at ``site`` out."""
+        splices = splices_of(self.model)
+        old = self.splices.pop(site, None)
+        for name, module in list(splices.items()):
+            if module is old:
+                del splices[name]
+        if sae is not None:
+            device = next(self.model.parameters()).device
+            splices[key] = self.splices[site] = Splice(sae.to(device), read, use_error)
+            if site not in self.handles and site not in self.graph_hook_sites:
+                self.handles[site] = install_site(self.model, site, self._site_fired(site))
+        elif site in self.handles and not any(site in p.sites for p in self.wanted.values()):
+            self.handles.pop(site).remove()
 
     def holds(self) -> dict[str, int]:
         """How many requests this worker follows and holds captures of, and how many sites are
@@ -285,6 +307,9 @@ class WorkerRuntime:
         def on_call(args: tuple, kwargs: dict, output: Any) -> None:
             if sampled and output is None:  # logits live on another rank
                 return
+            splice = self.splices.get(site)
+            if splice is not None:
+                splice.apply(NarrowedCall(self.model, None, args, kwargs, output, self.parallel))
             batches = self._batches_at(site)
             if not batches:
                 return

@@ -22,7 +22,7 @@ One pass, in SAELens's order::
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -37,6 +37,10 @@ from vlens.sae.weights import ALL_WEIGHT_NAMES, check_weights, read_weights, wei
 
 # An SAE's input: a vector of d_in, or for a hook_z SAE one vector per attention head.
 SAEInput = Float[Tensor, "... d_in"] | Float[Tensor, "... n_heads d_head"]
+
+#: A hook point inside the SAE: sees a stage's value by its hook name, returns the value to
+#: go on with.
+Visit = Callable[[str, Tensor], Tensor]
 
 HOOK_NAMES = (
     "hook_sae_input",
@@ -158,26 +162,43 @@ class SAE(nn.Module):
         """Every value SAELens's hook points inside the SAE would record for ``x``, by hook name,
         in the order they run: ``hook_sae_input``, ``hook_sae_acts_pre``, ``hook_sae_acts_post``,
         ``hook_sae_recons``, ``hook_sae_error`` (only with ``use_error_term``),
-        ``hook_sae_output``.
+        ``hook_sae_output``."""
+        values: dict[str, Tensor] = {}
 
-        SAELens computes the error from a second, unhooked pass; nothing here can change a
-        value in between, so that pass's reconstruction is this one's.
-        """
-        encoded = self._encode(x)
-        recons = self._linear_decode(encoded.acts_post)
-        output = self._finish(recons, encoded.restore, encoded.d_head)
-        values = {
-            "hook_sae_input": encoded.sae_in,
-            "hook_sae_acts_pre": encoded.acts_pre,
-            "hook_sae_acts_post": encoded.acts_post,
-            "hook_sae_recons": recons,
-        }
-        if self.use_error_term:
-            error = x - output
-            values["hook_sae_error"] = error
-            output = output + error
-        values["hook_sae_output"] = output
+        def record(stage: str, value: Tensor) -> Tensor:
+            values[stage] = value
+            return value
+
+        self.run(x, record)
         return values
+
+    def run(self, x: SAEInput, visit: Visit, use_error_term: bool | None = None) -> SAEInput:
+        """One forward pass of ``x`` in SAELens's order, handing each ``hook_sae_*`` value to
+        ``visit(stage, value)`` as it is made and going on with what ``visit`` returns, as
+        SAELens's hook points inside the SAE do: an edit of ``hook_sae_acts_post`` is decoded.
+        The error term (``use_error_term``, else the SAE's own setting) comes from a second,
+        unvisited pass of ``x``, as SAELens computes it with its hooks disabled, so that edited
+        features survive in the output."""
+        sae_in, d_head = x.to(self.dtype), None
+        if self.cfg.reshape_activations == "hook_z":
+            d_head = sae_in.shape[-1]
+            sae_in = self._flatten_heads(sae_in)
+        sae_in = visit("hook_sae_input", sae_in)
+        normed, restore = normalize(sae_in, self.cfg.normalize_activations, self.cfg.d_in)
+        if self.cfg.apply_b_dec_to_input:
+            normed = normed - self.b_dec
+        pre, gate_pre = self._pre_activations(normed)
+        pre = visit("hook_sae_acts_pre", pre)
+        post = visit("hook_sae_acts_post", self._activation(pre, gate_pre))
+        recons = visit("hook_sae_recons", self._linear_decode(post))
+        output = self._finish(recons, restore, d_head)
+        if self.use_error_term if use_error_term is None else use_error_term:
+            clean = self._encode(x)
+            clean_output = self._finish(
+                self._linear_decode(clean.acts_post), clean.restore, clean.d_head
+            )
+            output = output + visit("hook_sae_error", x - clean_output)
+        return visit("hook_sae_output", output)
 
     def _encode(self, x: SAEInput) -> Encoded:
         sae_in, d_head = x.to(self.dtype), None
@@ -187,30 +208,37 @@ class SAE(nn.Module):
         normed, restore = normalize(sae_in, self.cfg.normalize_activations, self.cfg.d_in)
         if self.cfg.apply_b_dec_to_input:
             normed = normed - self.b_dec
-        acts_pre, acts_post = self._activate(normed)
-        return Encoded(sae_in, acts_pre, acts_post, restore, d_head)
+        pre, gate_pre = self._pre_activations(normed)
+        return Encoded(sae_in, pre, self._activation(pre, gate_pre), restore, d_head)
 
-    def _activate(
+    def _pre_activations(
         self, x: Float[Tensor, "... d_in"]
-    ) -> tuple[Float[Tensor, "... d_sae"], Float[Tensor, "... d_sae"]]:
-        """``(h, f)``: the pre-activations SAELens's ``hook_sae_acts_pre`` sees, and the
-        features."""
+    ) -> tuple[Float[Tensor, "... d_sae"], Float[Tensor, "... d_sae"] | None]:
+        """``h``, the pre-activations SAELens's ``hook_sae_acts_pre`` sees (a gated SAE's
+        magnitude path), and a gated SAE's gate pre-activations (None for the others)."""
+        if self.cfg.architecture == "gated":
+            gate_pre = x @ self.W_enc + self.b_gate
+            return x @ (self.W_enc * self.r_mag.exp()) + self.b_mag, gate_pre
+        return x @ self.W_enc + self.b_enc, None
+
+    def _activation(
+        self, pre: Float[Tensor, "... d_sae"], gate_pre: Float[Tensor, "... d_sae"] | None
+    ) -> Float[Tensor, "... d_sae"]:
+        """The features ``f = act(h)``."""
         architecture = self.cfg.architecture
         if architecture == "gated":
-            gate_pre = x @ self.W_enc + self.b_gate
-            magnitude_pre = x @ (self.W_enc * self.r_mag.exp()) + self.b_mag
-            return magnitude_pre, activations.gate(gate_pre, magnitude_pre)
-        pre = x @ self.W_enc + self.b_enc
+            assert gate_pre is not None
+            return activations.gate(gate_pre, pre)
         if architecture == "jumprelu":
-            return pre, activations.jump_relu(pre, self.threshold)
+            return activations.jump_relu(pre, self.threshold)
         if architecture == "topk":
             # The choice is made on decoder-norm-weighted pre-activations when the SAE was
             # trained so; hook_sae_acts_pre still sees the unweighted ones.
             chosen_on = pre
             if self.cfg.rescale_acts_by_decoder_norm:
                 chosen_on = pre * self.W_dec.norm(dim=-1)
-            return pre, activations.top_k(chosen_on, self.cfg.k)
-        return pre, torch.relu(pre)
+            return activations.top_k(chosen_on, self.cfg.k)
+        return torch.relu(pre)
 
     def _linear_decode(
         self, feature_acts: Float[Tensor, "... d_sae"]

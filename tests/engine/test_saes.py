@@ -1,0 +1,114 @@
+"""SAELens's HookedSAETransformer API on vlens (:mod:`vlens.hooked.saes`): SAEs spliced into the
+forward, their hook points as names, hooks on features, and refusals."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import Tensor
+
+from vlens.sae import SAE
+from vlens.testing.saes import random_sae
+
+TEXTS = ["The cat sat on the mat", "Hello world"]
+NAME = "blocks.0.hook_resid_post"
+#: fp32 on the CPU: vLLM's kernels against torch's in the user's process
+RTOL = 1e-5
+
+
+def sae_at(folder: Path, name: str, d_in: int, architecture: str = "standard", **kw) -> SAE:
+    random_sae(folder, architecture, d_in=d_in, d_sae=48, hook_name=name, seed=3, **kw)
+    return SAE.load_from_disk(folder)
+
+
+def assert_close(ours: Tensor, theirs: Tensor, mask: Tensor) -> None:
+    ours, theirs = ours[mask.bool()], theirs[mask.bool()]
+    scale = theirs.abs().max().clamp_min(1e-6)
+    assert ((ours - theirs).abs().max() / scale).item() <= RTOL
+
+
+@pytest.fixture(scope="module")
+def model(hooked):
+    model = hooked("gpt2")
+    yield model
+    model.reset_saes()
+    model.reset_hooks()
+
+
+@pytest.fixture(scope="module")
+def clean(model):
+    return model.run_with_cache(TEXTS, names_filter=[NAME, "blocks.1.hook_resid_post"])
+
+
+def test_names_hold_the_sae_of_the_clean_activation(model, clean, tmp_path):
+    _, clean_cache = clean
+    sae = sae_at(tmp_path, NAME, model.cfg.d_model)
+    _, cache = model.run_with_cache_with_saes(TEXTS, saes=[sae])
+    stages = sae.stages(clean_cache[NAME])
+    assert [n for n in cache.keys() if ".hook_sae_" in n] == [f"{NAME}.{s}" for s in stages]
+    for stage, value in stages.items():
+        assert_close(cache[f"{NAME}.{stage}"], value, cache.attention_mask)
+    assert model.acts_to_saes == {}
+    assert not [name for name in model.hook_names if ".hook_sae_" in name]
+
+
+def test_the_model_computes_on_with_the_reconstruction(model, tmp_path):
+    sae = sae_at(tmp_path, NAME, model.cfg.d_model)
+    spliced = model.run_with_saes(TEXTS, saes=[sae])
+    by_hook = model.run_with_hooks(TEXTS, fwd_hooks=[(NAME, lambda x, hook: sae(x))])
+    torch.testing.assert_close(spliced, by_hook, rtol=RTOL, atol=1e-5)
+
+
+def test_the_error_term_keeps_the_clean_model_and_edited_features_survive(model, clean, tmp_path):
+    clean_logits, _ = clean
+    sae = sae_at(tmp_path, NAME, model.cfg.d_model)
+    logits, cache = model.run_with_cache_with_saes(TEXTS, saes=[sae], use_error_term=True)
+    assert f"{NAME}.hook_sae_error" in cache.keys()
+    assert_close(logits, clean_logits, cache.attention_mask)
+
+    def zero_feature(acts: Tensor, hook) -> None:
+        acts[..., :] = 0
+
+    with model.saes(saes=[sae], use_error_term=True):
+        edited = model.run_with_hooks(
+            TEXTS, fwd_hooks=[(f"{NAME}.hook_sae_acts_post", zero_feature)]
+        )
+    # every feature off: the output is the decoder bias plus the clean error
+    expected = model.run_with_hooks(
+        TEXTS,
+        fwd_hooks=[(NAME, lambda x, hook: sae.b_dec + (x - sae(x).detach()))],
+    )
+    torch.testing.assert_close(edited, expected, rtol=RTOL, atol=1e-5)
+
+
+def test_added_saes_stay_until_reset_and_saes_restores_the_one_replaced(model, tmp_path):
+    first = sae_at(tmp_path / "a", NAME, model.cfg.d_model)
+    second = sae_at(tmp_path / "b", NAME, model.cfg.d_model, "jumprelu")
+    model.add_sae(first)
+    try:
+        assert model.acts_to_saes == {NAME: first}
+        with_first = model(TEXTS)
+        with model.saes(saes=[second]):
+            assert model.acts_to_saes == {NAME: second}
+            assert not torch.allclose(model(TEXTS), with_first)
+        assert model.acts_to_saes == {NAME: first}
+        torch.testing.assert_close(model(TEXTS), with_first, rtol=0, atol=0)
+    finally:
+        model.reset_saes()
+    assert model.acts_to_saes == {}
+
+
+def test_refusals_name_the_problem(model, tmp_path):
+    wide = sae_at(tmp_path / "wide", NAME, model.cfg.d_model + 1)
+    with pytest.raises(ValueError, match="d_in=129"):
+        model.add_sae(wide)
+    unknown = sae_at(tmp_path / "unknown", "blocks.0.hook_nothing", model.cfg.d_model)
+    with pytest.raises(Exception, match="hook_nothing"):
+        model.add_sae(unknown)
+    with pytest.raises(TypeError, match="SAE.load_from_disk"):
+        model.add_sae(object())
+    with pytest.raises(ValueError, match="no SAE is spliced in"):
+        model.reset_saes(NAME)
+    assert model.acts_to_saes == {}

@@ -1,0 +1,249 @@
+"""SAELens's ``HookedSAETransformer`` API on :class:`~vlens.hooked.model.HookedVLLM`.
+
+``add_sae(sae)`` splices an SAE into the forward at its ``hook_name`` (the SAE's output replaces
+the activation there, for every prompt of every later call, until :meth:`SAEMethods.reset_saes`),
+and the SAE's hook points become names of the model: ``{hook_name}.hook_sae_input``,
+``.hook_sae_acts_pre``, ``.hook_sae_acts_post``, ``.hook_sae_recons``, ``.hook_sae_error`` (with
+the error term) and ``.hook_sae_output`` — readable in ``run_with_cache``, hookable like any name
+(a hook on ``hook_sae_acts_post`` edits features). With ``use_error_term`` the output is the
+reconstruction plus the error of a clean pass (``x − x̂_clean``), so that the model runs as
+without the SAE until a feature is edited. The worker side is :mod:`vlens.runtime.splices`.
+
+One difference from SAELens: the spliced name itself stays a name (its value is the SAE's output,
+what the model computes on), where SAELens replaces its hook point by the SAE.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from vlens.names.compiled import per_position_shape
+from vlens.names.mapping import HookSpec, Site
+from vlens.names.resolve import canonical
+from vlens.runtime.readers import OutputOf, writable
+from vlens.runtime.splices import stage_path
+from vlens.sae.autoencoder import HOOK_NAMES, SAE
+
+if TYPE_CHECKING:
+    from vlens.hooked.model import HookedVLLM
+
+
+@dataclass(frozen=True)
+class Attached:
+    """An SAE spliced in at ``name``, as ``key``, with the error term or not."""
+
+    sae: SAE
+    name: str
+    key: str
+    use_error_term: bool
+
+    @property
+    def names(self) -> list[str]:
+        """The names of its hook points, in the order they run."""
+        stages = [s for s in HOOK_NAMES if s != "hook_sae_error" or self.use_error_term]
+        return [f"{self.name}.{stage}" for stage in stages]
+
+
+class SAEMethods:
+    """``add_sae``, ``reset_saes``, ``saes()``, ``run_with_saes``, ``run_with_cache_with_saes``
+    and ``run_with_hooks_with_saes``, as SAELens's ``HookedSAETransformer`` has them."""
+
+    _attached: dict[str, Attached]
+
+    @property
+    def acts_to_saes(self: HookedVLLM) -> dict[str, SAE]:
+        """The SAEs spliced in, by the name each replaces."""
+        return {name: attached.sae for name, attached in self._saes().items()}
+
+    def _saes(self: HookedVLLM) -> dict[str, Attached]:
+        if not hasattr(self, "_attached"):
+            self._attached = {}
+        return self._attached
+
+    def add_sae(
+        self: HookedVLLM,
+        sae: SAE,
+        use_error_term: bool | None = None,
+        exclude_special_tokens: bool | list[int] = False,
+    ) -> None:
+        """Splice ``sae`` in at its ``hook_name`` for every later call, replacing an SAE already
+        there; ``use_error_term`` None keeps the SAE's own setting."""
+        if not isinstance(sae, SAE):
+            raise TypeError(
+                f"add_sae takes a vlens.sae.SAE (SAE.load_from_disk(folder) reads a folder "
+                f"SAELens saved), got {type(sae).__name__}"
+            )
+        if exclude_special_tokens:
+            raise NotImplementedError(
+                "exclude_special_tokens: vlens splices the SAE in at every position; leave it "
+                "False, or zero the features at special tokens with a hook on hook_sae_acts_post"
+            )
+        name = self._sae_name(sae)
+        spec = self.hook_specs[name]
+        error_term = sae.use_error_term if use_error_term is None else use_error_term
+        if name in self._saes():
+            self._detach(name)
+        key = re.sub(r"\W", "_", name)
+        attached = Attached(sae, name, key, error_term)
+        self.engine.splice(key, spec.site, spec.read, sae, error_term)
+        self._saes()[name] = attached
+        self._add_sae_names(attached, spec)
+
+    def reset_saes(self: HookedVLLM, act_names: str | Sequence[str] | None = None) -> None:
+        """Take out the SAEs at ``act_names`` (all when None); hooks added on their names go
+        with them."""
+        names = list(self._saes()) if act_names is None else act_names
+        for name in [names] if isinstance(names, str) else names:
+            if name not in self._saes():
+                raise ValueError(
+                    f"no SAE is spliced in at {name!r}; at: {', '.join(self._saes()) or '(none)'}"
+                )
+            self._detach(name)
+
+    @contextmanager
+    def saes(
+        self: HookedVLLM,
+        saes: SAE | Sequence[SAE] = (),
+        reset_saes_end: bool = True,
+        use_error_term: bool | None = None,
+        exclude_special_tokens: bool | list[int] = False,
+    ) -> Iterator[HookedVLLM]:
+        """``with model.saes(saes=[sae]):`` — SAEs for the calls in the block; at its end (with
+        ``reset_saes_end``) they are taken out and the SAEs they replaced put back."""
+        replaced: list[tuple[str, Attached | None]] = []
+        try:
+            for sae in [saes] if isinstance(saes, SAE) else saes:
+                name = self._sae_name(sae)
+                replaced.append((name, self._saes().get(name)))
+                self.add_sae(sae, use_error_term, exclude_special_tokens)
+            yield self
+        finally:
+            if reset_saes_end:
+                for name, before in reversed(replaced):
+                    if name in self._saes():
+                        self._detach(name)
+                    if before is not None:
+                        self.add_sae(before.sae, before.use_error_term)
+
+    def run_with_saes(
+        self: HookedVLLM,
+        *model_args: Any,
+        saes: SAE | Sequence[SAE] = (),
+        reset_saes_end: bool = True,
+        use_error_term: bool | None = None,
+        exclude_special_tokens: bool | list[int] = False,
+        **model_kwargs: Any,
+    ) -> Any:
+        """``model(*model_args, **model_kwargs)`` with ``saes`` spliced in."""
+        with self.saes(saes, reset_saes_end, use_error_term, exclude_special_tokens):
+            return self(*model_args, **model_kwargs)
+
+    def run_with_cache_with_saes(
+        self: HookedVLLM,
+        *model_args: Any,
+        saes: SAE | Sequence[SAE] = (),
+        reset_saes_end: bool = True,
+        use_error_term: bool | None = None,
+        exclude_special_tokens: bool | list[int] = False,
+        **kwargs: Any,
+    ) -> Any:
+        """:meth:`run_with_cache` with ``saes`` spliced in: the cache holds their names too."""
+        with self.saes(saes, reset_saes_end, use_error_term, exclude_special_tokens):
+            return self.run_with_cache(*model_args, **kwargs)
+
+    def run_with_hooks_with_saes(
+        self: HookedVLLM,
+        *model_args: Any,
+        saes: SAE | Sequence[SAE] = (),
+        reset_saes_end: bool = True,
+        exclude_special_tokens: bool | list[int] = False,
+        **kwargs: Any,
+    ) -> Any:
+        """:meth:`run_with_hooks` with ``saes`` spliced in."""
+        with self.saes(saes, reset_saes_end, exclude_special_tokens=exclude_special_tokens):
+            return self.run_with_hooks(*model_args, **kwargs)
+
+    # ---- the names -----------------------------------------------------------------------------
+
+    def _sae_name(self: HookedVLLM, sae: SAE) -> str:
+        """The canonical name ``sae`` reads, checked to be one it can replace on this model."""
+        hook_name = sae.cfg.hook_name
+        if not hook_name:
+            raise ValueError(
+                "the SAE names no hook_name (its cfg.json has none, at the top or in metadata): "
+                "SAELens records the name it was trained on there"
+            )
+        if self.compiled is not None:
+            raise NotImplementedError(
+                f"an SAE at {hook_name} on a compiled engine: the compiled graph cannot run it "
+                f"yet; load the model without compiled_capture/compiled_steering/compiled_hooks "
+                f"(vLLM's eager engine, vlens's default)"
+            )
+        name = canonical(hook_name, self.hook_specs, explain=self.explain)
+        spec = self.hook_specs[name]
+        if not isinstance(spec, HookSpec) or not writable(spec.read):
+            raise ValueError(
+                f"{name} is computed from the model's tensors, not one of them: an SAE's output "
+                f"cannot replace it. Use an SAE trained on a name the model computes on "
+                f"(hook_resid_pre/mid/post, hook_mlp_out, hook_attn_out, attn.hook_z, ...)"
+            )
+        width = per_position_shape(spec, self.hf_config)
+        d_in = 1
+        for size in width:
+            d_in *= size
+        if d_in != sae.cfg.d_in or (sae.cfg.reshape_activations == "hook_z") != (len(width) == 2):
+            raise ValueError(
+                f"the SAE reads {name} with d_in={sae.cfg.d_in}"
+                f"{' (hook_z: heads × d_head)' if sae.cfg.reshape_activations == 'hook_z' else ''}"
+                f", but this model's {name} has {list(width)} per position: an SAE trained on "
+                f"another model, or on another name"
+            )
+        return name
+
+    def _add_sae_names(self: HookedVLLM, attached: Attached, spec: HookSpec) -> None:
+        """Make the SAE's hook points names of the model, right after the name it replaces."""
+        d_in, d_sae = attached.sae.cfg.d_in, attached.sae.cfg.d_sae
+        shapes = {
+            "hook_sae_input": f"pos {d_in}",
+            "hook_sae_acts_pre": f"pos {d_sae}",
+            "hook_sae_acts_post": f"pos {d_sae}",
+            "hook_sae_recons": f"pos {d_in}",
+            "hook_sae_error": spec.shape,
+            "hook_sae_output": spec.shape,
+        }
+        added = {
+            name: HookSpec(
+                Site(stage_path(attached.key, name.rsplit(".", 1)[1]), "output"),
+                OutputOf(),
+                shapes[name.rsplit(".", 1)[1]],
+            )
+            for name in attached.names
+        }
+        specs = list(self.hook_specs.items())
+        at = [name for name, _ in specs].index(attached.name) + 1
+        self._set_names(
+            dict(specs[:at] + list(added.items()) + specs[at:]), {*self.canonical_names, *added}
+        )
+
+    def _detach(self: HookedVLLM, name: str) -> None:
+        attached = self._saes().pop(name)
+        spec = self.hook_specs[name]
+        self.engine.splice(attached.key, spec.site, spec.read, None, False)
+        gone = set(attached.names)
+        self.registry.added = [hook for hook in self.registry.added if hook.name not in gone]
+        specs = {n: s for n, s in self.hook_specs.items() if n not in gone}
+        self._set_names(specs, set(self.canonical_names) - gone)
+
+    def _set_names(self: HookedVLLM, specs: dict[str, Any], canonical: set[str]) -> None:
+        """Replace the model's names: ``specs`` (in forward order; raw locations admitted so far
+        among them), of which ``canonical`` are its canonical names. Every part of the model
+        shares the one dict of specs."""
+        self.hook_specs.clear()
+        self.hook_specs.update(specs)
+        self.canonical_names[:] = [name for name in specs if name in canonical]
+        for cached in ("_hook_points", "_prefixes"):
+            self.__dict__.pop(cached, None)
