@@ -112,3 +112,34 @@ def test_refusals_name_the_problem(model, tmp_path):
     with pytest.raises(ValueError, match="no SAE is spliced in"):
         model.reset_saes(NAME)
     assert model.acts_to_saes == {}
+
+
+def test_on_a_compiled_engine_at_a_declared_name_as_on_the_eager_one(
+    model, hookable_engine, tmp_path
+):
+    compiled = hookable_engine("gpt2")
+    sae = sae_at(tmp_path, NAME, model.cfg.d_model, "topk", k=6)
+    stage = f"{NAME}.hook_sae_acts_post"
+
+    def double_feature_2(acts: Tensor, hook) -> None:
+        acts[..., 2] *= 2.0
+
+    results = []
+    for engine in (model, compiled):
+        with engine.saes(saes=[sae], use_error_term=True):
+            engine.add_hook(stage, double_feature_2)
+            try:
+                results.append(engine.run_with_cache(TEXTS, names_filter=[stage]))
+            finally:
+                engine.reset_hooks()
+    (eager_logits, eager_cache), (logits, cache) = results
+    assert_close(logits, eager_logits, cache.attention_mask)
+    assert_close(cache[stage], eager_cache[stage], cache.attention_mask)
+    assert compiled.acts_to_saes == {}
+
+
+def test_a_compiled_engine_refuses_an_sae_at_an_undeclared_name(hooked, tmp_path):
+    compiled = hooked("llama", compiled_capture=("blocks.1.hook_resid_post",))  # test_compiled's
+    sae = sae_at(tmp_path, NAME, compiled.cfg.d_model)
+    with pytest.raises(ValueError, match=r"compiled_hooks=\['blocks.0.hook_resid_post'\]"):
+        compiled.add_sae(sae)

@@ -48,6 +48,9 @@ class Planner:
         self.config = config
         self.compiled = compiled
         self._widths: dict[str, int] = {}  # see width: asked once per steer, for every prompt
+        #: the hook points of SAEs spliced in (:mod:`vlens.hooked.saes`): read and hooked in
+        #: Python, outside a compiled engine's graph
+        self.spliced: set[str] = set()
         #: each explicitly computable layer's stage names (scores, pattern, result)
         self.explicit: dict[ExplicitAttention, dict[AttentionStage, str]] = {}
         for name, spec in specs.items():
@@ -225,7 +228,7 @@ class Planner:
         ``compiled_hooks``: say what to do instead elsewhere."""
         if self.compiled is None:
             return
-        hookable = self.compiled.hooks
+        hookable = self.compiled.hooks | self.spliced
         inside = [n for n in names if not per_sample(self.specs[n]) and n not in hookable]
         explicit = [name for name in inside if isinstance(self.specs[name], DerivedSpec)]
         if explicit:
@@ -248,11 +251,16 @@ class Planner:
     def _without_forward_hooks(self, name: str) -> bool:
         """Whether ``name`` needs no hook added to the forward: always on an eager engine; on a
         compiled one, a name traced into its graph, read at one of its hook sites, or read
-        after the forward (the sampler's)."""
+        after the forward (the sampler's), or at an SAE spliced in."""
         if self.compiled is None:
             return True
         compiled = self.compiled
-        return name in compiled.traced or name in compiled.hooks or per_sample(self.specs[name])
+        return (
+            name in compiled.traced
+            or name in compiled.hooks
+            or name in self.spliced
+            or per_sample(self.specs[name])
+        )
 
 
 def shared_names(hooks: HooksByName, shared: HooksByName) -> frozenset[str]:

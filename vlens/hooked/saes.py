@@ -92,6 +92,7 @@ class SAEMethods:
         self.engine.splice(key, spec.site, spec.read, sae, error_term)
         self._saes()[name] = attached
         self._add_sae_names(attached, spec)
+        self.planner.spliced |= set(attached.names)
 
     def reset_saes(self: HookedVLLM, act_names: str | Sequence[str] | None = None) -> None:
         """Take out the SAEs at ``act_names`` (all when None); hooks added on their names go
@@ -177,13 +178,14 @@ class SAEMethods:
                 "the SAE names no hook_name (its cfg.json has none, at the top or in metadata): "
                 "SAELens records the name it was trained on there"
             )
-        if self.compiled is not None:
-            raise NotImplementedError(
-                f"an SAE at {hook_name} on a compiled engine: the compiled graph cannot run it "
-                f"yet; load the model without compiled_capture/compiled_steering/compiled_hooks "
-                f"(vLLM's eager engine, vlens's default)"
-            )
         name = canonical(hook_name, self.hook_specs, explain=self.explain)
+        if self.compiled is not None and name not in self.compiled.hooks:
+            raise ValueError(
+                f"an SAE at {name} on this compiled engine: an SAE runs in Python, and the "
+                f"compiled graph calls into Python only at the names declared in compiled_hooks "
+                f"when it was loaded; load it with compiled_hooks=[{name!r}] (or without "
+                f"compiled_* arguments: vLLM's eager engine)"
+            )
         spec = self.hook_specs[name]
         if not isinstance(spec, HookSpec) or not writable(spec.read):
             raise ValueError(
@@ -234,6 +236,7 @@ class SAEMethods:
         spec = self.hook_specs[name]
         self.engine.splice(attached.key, spec.site, spec.read, None, False)
         gone = set(attached.names)
+        self.planner.spliced -= gone
         self.registry.added = [hook for hook in self.registry.added if hook.name not in gone]
         specs = {n: s for n, s in self.hook_specs.items() if n not in gone}
         self._set_names(specs, set(self.canonical_names) - gone)

@@ -186,6 +186,7 @@ class WorkerRuntime:
             return
         hook_sites.no_full_graphs_while_active(self.runner)
         needed = {site for plan in self.wanted.values() for site in plan.sites}
+        needed |= self.splices.keys()
         for site, number in self.graph_hook_sites.items():
             hook_sites.activate((number,), site in needed)
 
@@ -209,6 +210,7 @@ class WorkerRuntime:
                 self.handles[site] = install_site(self.model, site, self._site_fired(site))
         elif site in self.handles and not any(site in p.sites for p in self.wanted.values()):
             self.handles.pop(site).remove()
+        self._activate_graph_hook_sites()
 
     def holds(self) -> dict[str, int]:
         """How many requests this worker follows and holds captures of, and how many sites are
