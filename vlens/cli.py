@@ -26,6 +26,7 @@ from vlens.store.activations import (
     resolve_names,
 )
 from vlens.store.manifest import verify_report
+from vlens.store.saelens import per_token_width_problem, write_saelens_dataset
 
 DEFAULT_PROMPT = "The capital of France is"
 
@@ -94,28 +95,55 @@ def cache_command(args: argparse.Namespace) -> int | None:
         raise SystemExit(f"vlens cache: no prompt file at {args.prompts}")
     # Bad names, a store made with other settings and a folder that cannot be written are
     # reported before the engine loads.
-    names = resolve_names(args.names, hook_specs(folder))
+    specs = hook_specs(folder)
+    names = resolve_names(args.names, specs)
+    if args.format == "saelens":
+        _require_saelens_names(names, specs)
     store = open_store(args.out, folder, names, args.dtype, args.max_new_tokens, progress=True)
     total = count_prompts(args.prompts)
     print(f"{len(names)} names, {total} prompts, {store.stored_prompts} already in {args.out}")
     for index, problem in sorted(store.damaged.items()):
         file = store.manifest["shards"][index]["file"]
         print(f"{file} fails its check ({problem}): rewriting it")
-    if store.stored_prompts >= total and not store.damaged:
-        return None
-    model = HookedVLLM.from_pretrained(folder, dtype=args.dtype)
-    store = fill_store(
-        model,
-        store,
-        read_prompts(args.prompts),
-        batch_size=args.batch_size,
-        shard_tokens=args.shard_tokens,
-        total=total,
-    )
-    shards = store.manifest["shards"] if store.manifest else []
-    rows = sum(shard["rows"] for shard in shards)
-    print(f"{store.stored_prompts} prompts, {rows} rows in {len(shards)} shards: {args.out}")
+    if store.stored_prompts < total or store.damaged:
+        model = HookedVLLM.from_pretrained(folder, dtype=args.dtype)
+        store = fill_store(
+            model,
+            store,
+            read_prompts(args.prompts),
+            batch_size=args.batch_size,
+            shard_tokens=args.shard_tokens,
+            total=total,
+        )
+        shards = store.manifest["shards"] if store.manifest else []
+        rows = sum(shard["rows"] for shard in shards)
+        print(f"{store.stored_prompts} prompts, {rows} rows in {len(shards)} shards: {args.out}")
+    if args.format == "saelens":
+        saelens_command(args)
     return None
+
+
+def saelens_command(args: argparse.Namespace) -> None:
+    """SAELens's dataset of the store just filled; its shards were checked or written by this
+    run, so they are not hashed again."""
+    dataset = write_saelens_dataset(
+        args.out, context_size=args.context_size, check_shards=False, progress=True
+    )
+    widths = ", ".join(f"{name} (d_in {width})" for name, width in dataset.d_in.items())
+    done = "written" if dataset.written else "already written for this store, kept"
+    print(f"SAELens dataset {done}: {dataset.folder}, {dataset.contexts} contexts of "
+          f"{dataset.context_size} tokens, {dataset.dtype}: {widths}")
+    if dataset.rows_left_out:
+        print(f"{dataset.rows_left_out} rows past the first {dataset.context_size} of longer "
+              f"prompts are in the store but not in the dataset")
+
+
+def _require_saelens_names(names: list[str], specs: dict[str, Spec]) -> None:
+    """Before the engine loads: every name has one vector per token for SAELens's dataset."""
+    for name in names:
+        problem = per_token_width_problem(name, specs[name].shape.split()[1:])
+        if problem:
+            raise StoreError(f"{problem}; leave it out of --names with --format saelens")
 
 
 def _require_cache_arguments(args: argparse.Namespace) -> None:
@@ -123,8 +151,12 @@ def _require_cache_arguments(args: argparse.Namespace) -> None:
     "required unless")."""
     writing = {"model": args.model, "--prompts": args.prompts, "--names": args.names,
                "--out": args.out}
-    if args.verify and any(writing.values()):
+    if args.verify and (any(writing.values()) or args.format != "vlens" or args.context_size):
         args.usage_error("--verify DIR checks a store and takes no other arguments")
+    if args.context_size is not None and args.format != "saelens":
+        args.usage_error("--context-size sets SAELens's contexts: it goes with --format saelens")
+    if args.context_size is not None and args.context_size < 1:
+        args.usage_error(f"--context-size must be positive, not {args.context_size}")
     missing = [name for name, value in writing.items() if not value]
     if not args.verify and missing:
         args.usage_error(f"the following arguments are required: {', '.join(missing)} "
@@ -181,6 +213,13 @@ def parser() -> argparse.ArgumentParser:
                        help="the engine's and the stored floats' dtype (default: float32)")
     cache.add_argument("--max-new-tokens", type=int, default=0, metavar="N",
                        help="also store N-1 greedily generated positions per prompt (default: 0)")
+    cache.add_argument("--format", choices=["vlens", "saelens"], default="vlens",
+                       help="saelens: also write SAELens's cached-activations dataset (a "
+                       "datasets.Dataset, one row per prompt) to DIR/saelens (default: vlens, "
+                       "the store alone)")
+    cache.add_argument("--context-size", type=int, metavar="N",
+                       help="with --format saelens: cut every prompt to its first N tokens "
+                       "(default: the prompts' length, which must then be the same for all)")
     cache.add_argument("--verify", type=Path, metavar="DIR",
                        help="only check the store in DIR (each shard's size and sha256) and "
                        "report; exit 1 when a shard fails its check")

@@ -16,6 +16,7 @@ Hooks on attention scores, patterns and per-head results go to :class:`Attention
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import signal
 import threading
@@ -205,7 +206,9 @@ class WorkerRuntime:
                 del splices[name]
         if sae is not None:
             device = next(self.model.parameters()).device
-            splices[key] = self.splices[site] = Splice(sae.to(device), read, use_error)
+            if sae.device != device:  # a copy: the user's SAE stays where it is
+                sae = copy.deepcopy(sae).to(device)
+            splices[key] = self.splices[site] = Splice(sae, read, use_error)
             if site not in self.handles and site not in self.graph_hook_sites:
                 self.handles[site] = install_site(self.model, site, self._site_fired(site))
         elif site in self.handles and not any(site in p.sites for p in self.wanted.values()):

@@ -4,9 +4,12 @@
 (:mod:`vlens.sae.config`) and ``sae_weights.safetensors`` (:mod:`vlens.sae.weights`) of the
 standard, jumprelu, topk and gated architectures, and computes SAELens's ``encode``,
 ``decode``, ``forward`` and the values of its ``hook_sae_*`` hook points (``SAE.stages``).
+:func:`activation_batches` (:mod:`vlens.sae.batches`) streams shuffled activation batches from a
+live model, for SAELens's ``SAETrainer``.
 """
 
 from vlens.sae.autoencoder import HOOK_NAMES, SAE
+from vlens.sae.batches import activation_batches
 from vlens.sae.config import ARCHITECTURES, NORMALIZATIONS, SAEConfig, SAEFormatError
 from vlens.sae.weights import read_log_sparsity
 
@@ -17,5 +20,6 @@ __all__ = [
     "SAE",
     "SAEConfig",
     "SAEFormatError",
+    "activation_batches",
     "read_log_sparsity",
 ]
