@@ -22,6 +22,7 @@ import torch
 
 from vlens.engine.hf_classes import classes_left_as_they_were
 from vlens.engine.interrupts import WorkerWaits
+from vlens.engine.prefix_cache import cache_use
 from vlens.engine.process_groups import ensure_expert_group
 from vlens.engine.support import engine_args, hook_site_compilation
 from vlens.runtime import host_blocks, shared_tensors
@@ -144,12 +145,16 @@ class Engine:
 
         call = next(_call_ids)
         tags = [f"{call}:{index}" for index in range(len(prompts))]
-        request_params = []
-        for tag in tags:
+        request_params, inputs = [], []
+        for tag, plan, prompt in zip(tags, plans, prompts):
             # Shallow: vLLM deep-copies each request's parameters itself when it takes them in.
             own = copy.copy(params)
             own.extra_args = {**(params.extra_args or {}), TAG_KEY: tag}
+            use = cache_use(plan)
+            own.skip_reading_prefix_cache = not use.read
             request_params.append(own)
+            salted = {} if use.salt is None else {"cache_salt": use.salt}
+            inputs.append(TokensPrompt(prompt_token_ids=prompt, **salted))
         streamed = device == "cpu" and bool(params.max_tokens) and self.streams_to_host()
         if streamed:
             # the graph tier writes kept rows into the host's cache as steps end
@@ -160,11 +165,7 @@ class Engine:
             ]
         self._on_workers("prepare", dict(zip(tags, plans)))
         try:
-            outputs = self.llm.generate(
-                [TokensPrompt(prompt_token_ids=prompt) for prompt in prompts],
-                request_params,
-                use_tqdm=False,
-            )
+            outputs = self.llm.generate(inputs, request_params, use_tqdm=False)
         except BaseException:
             # Ctrl-C, or a hook raising KeyboardInterrupt/SystemExit, stopped vLLM mid-step: its
             # requests would stay scheduled and the next call would never end.

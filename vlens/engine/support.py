@@ -12,14 +12,12 @@ from vlens.names.mapping import ArchitectureMapping
 EAGER = "HookedVLLM.from_pretrained(path) without compiled names (eager mode)"
 
 #: Engine arguments vlens sets unless the user does; each has a reason in ``_REQUIRED``.
-DEFAULT_ENGINE_ARGS: dict[str, Any] = {"enforce_eager": True, "enable_prefix_caching": False}
+DEFAULT_ENGINE_ARGS: dict[str, Any] = {"enforce_eager": True}
 
 _REQUIRED = {
     "enforce_eager": "vlens's sites are Python forward hooks, which fire only in eager mode; "
     "for vLLM's compiled mode declare the names to trace into the graph "
     "(HookedVLLM.from_pretrained(path, compiled_capture=[...], compiled_steering=[...]))",
-    "enable_prefix_caching": "a prefix-cache hit skips the forward over cached prompt tokens, "
-    "so their activations would silently be missing",
 }
 #: An engine that runs hook functions prefills every prompt in one step: TransformerLens hands a
 #: hook function the whole prompt, and a function shared by a call's prompts may index it at

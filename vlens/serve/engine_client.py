@@ -23,6 +23,7 @@ from torch import Tensor
 from vllm.sampling_params import RequestOutputKind
 
 from vlens.engine.link import WorkerCall
+from vlens.engine.prefix_cache import CacheUse, cache_use
 from vlens.runtime.messages import TAG_KEY, Handback
 from vlens.serve.model import Planned, ServedModel
 from vlens.serve.store import ActivationStore
@@ -107,6 +108,7 @@ class VlensEngineClient:
         tag = f"serve-{next(_serial)}:0"
         extra[TAG_KEY] = tag
         sampling_params.extra_args = extra
+        prompt = with_cache_use(prompt, sampling_params, cache_use(planned.plan))
         # A client that leaves cancels this task: the workers still finish what they were asked,
         # and forget the request (shielded: the calls go on while the task is cancelled).
         prepared = asyncio.ensure_future(self._on_workers("prepare", {tag: planned.plan}))
@@ -164,3 +166,18 @@ class VlensEngineClient:
         worker processes): one result per rank."""
         with WorkerCall(method, args) as call:
             return call.results(await self._engine.collective_rpc("vlens_call", args=call.arguments))
+
+
+def with_cache_use(prompt: Any, sampling_params: Any, use: CacheUse) -> Any:
+    """``prompt`` and ``sampling_params`` set to use the prefix cache as ``use`` says
+    (:mod:`vlens.engine.prefix_cache`); a client's own ``cache_salt`` is kept, and combined."""
+    sampling_params.skip_reading_prefix_cache = not use.read
+    if use.salt is None:
+        return prompt
+    if not isinstance(prompt, dict):
+        raise TypeError(
+            f"vLLM handed the engine a prompt of type {type(prompt).__name__}, where vlens "
+            f"expects a dict it can salt for the prefix cache"
+        )
+    theirs = prompt.get("cache_salt")
+    return {**prompt, "cache_salt": use.salt if theirs is None else f"{theirs}|{use.salt}"}

@@ -3,9 +3,9 @@
 client around vLLM's (:mod:`vlens.serve.engine_client`) and its routes (:mod:`vlens.serve.routes`).
 
 Every ``vllm serve`` option keeps its meaning, with vlens's defaults: the server binds 127.0.0.1
-unless ``--host`` says otherwise, prefix caching is off (a cache hit would skip the forward over
-the prompt), and the engine runs eager unless names are declared for the graph tier with
-``--compiled-capture`` / ``--compiled-steering``.
+unless ``--host`` says otherwise, each request uses the prefix cache as far as it is correct for
+it (:mod:`vlens.engine.prefix_cache`), and the engine runs eager unless names are declared for
+the graph tier with ``--compiled-capture`` / ``--compiled-steering``.
 """
 
 from __future__ import annotations

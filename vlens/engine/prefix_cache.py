@@ -1,0 +1,81 @@
+"""Which requests may use vLLM's prefix cache, and with whom they share it.
+
+A prefix-cache hit skips the forward over a prompt's cached tokens: their keys and values come
+from another request that computed the same tokens. That is exact for a request that only
+generates, and wrong in two ways for vlens: a request that reads names would miss the cached
+positions' values, and a request whose forward is changed (a hook function, a steer) computes
+keys and values no plain request may reuse, nor it theirs. So, per request (its
+:class:`~vlens.runtime.messages.RequestPlan`):
+
+- nothing asked: it shares the cache as in plain vLLM;
+- names read but nothing changed: it computes every position (vLLM's
+  ``skip_reading_prefix_cache``) and leaves what it computed for others, which is what a plain
+  request computes;
+- hook functions (which may change anything): it computes every position, under a salt of its
+  own (vLLM's ``cache_salt``), so that no other request reuses its blocks;
+- steers traced into a compiled graph, as data: it shares blocks with the requests steered
+  identically (a salt from the steers' fingerprint: names, vectors, scales, positions), and
+  computes every position as well if it also reads names.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from vlens.runtime.messages import RequestPlan
+from vlens.runtime.steering import Steer
+
+_own_salts = itertools.count()
+
+
+@dataclass(frozen=True)
+class CacheUse:
+    """How one request uses the prefix cache: whether it may read cached blocks, and the salt
+    that decides which requests' blocks are its (None: plain vLLM's)."""
+
+    read: bool
+    salt: str | None
+
+
+def cache_use(plan: RequestPlan) -> CacheUse:
+    """The prefix-cache use of the request planned by ``plan`` (see the module's docstring)."""
+    hooked = any(name.hooks for names in plan.sites.values() for name in names) or any(
+        any(functions for functions in attention.hooks.values()) for attention in plan.attention
+    )
+    if hooked:
+        return CacheUse(read=False, salt=f"vlens-own-{next(_own_salts)}-{id(plan)}")
+    reads = bool(plan.graph_keep) or any(plan.sites.values()) or bool(plan.attention)
+    salt = f"vlens-steer-{fingerprint(plan.steering)}" if plan.steering else None
+    return CacheUse(read=not reads, salt=salt)
+
+
+def fingerprint(steers: tuple[Steer, ...]) -> str:
+    """A digest of everything that decides what ``steers`` compute: equal for equal steering."""
+    digest = hashlib.sha256()
+    for steer in sorted(steers, key=lambda steer: steer.name):
+        digest.update(steer.name.encode())
+        for term in (steer.add, steer.ablate, steer.gain):
+            digest.update(_bytes(term))
+        digest.update(repr((steer.scale, _positions(steer))).encode())
+    return digest.hexdigest()[:32]
+
+
+def _bytes(term: Tensor | float | None) -> bytes:
+    if term is None:
+        return b"none"
+    if isinstance(term, Tensor):
+        flat = term.detach().to("cpu").contiguous().reshape(-1)
+        return f"{flat.dtype}{tuple(term.shape)}".encode() + flat.view(torch.uint8).numpy().tobytes()
+    return repr(float(term)).encode()
+
+
+def _positions(steer: Steer) -> object:
+    positions = steer.positions
+    if isinstance(positions, slice):
+        return ("slice", positions.start, positions.stop, positions.step)
+    return None if positions is None else tuple(int(p) for p in positions)
