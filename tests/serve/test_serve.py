@@ -486,8 +486,7 @@ def test_vector_fields_that_are_not_arrays_of_numbers_are_refused(vector):
 @pytest.mark.parametrize("options, message", [
     (["/nonexistent"], "is not a checkpoint folder"),
     ([MODEL, "--compiled-steering", "blocks.0.hook_resid_pots"], "Did you mean"),
-    ([MODEL, "--enable-prefix-caching"], "prefix-cache hit"),
-], ids=["folder", "compiled name", "prefix caching"])
+], ids=["folder", "compiled name"])
 def test_what_a_server_cannot_serve_is_refused_before_it_starts(options, message):
     import subprocess
 

@@ -247,6 +247,11 @@ class Engine:
         engine = self.llm.llm_engine
         engine.abort_request(list(engine.output_processor.request_states), internal=True)
         self._on_workers("forget_interrupted_step")
+        # vLLM enters a step's blocks in the prefix cache when it schedules the step, before the
+        # forward that fills them: those of the interrupted step hold no keys and values.
+        cache = engine.vllm_config.cache_config
+        if cache.enable_prefix_caching and not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to empty its prefix cache after the interrupt")
 
     def watch_modules(self, prompt: list[int]) -> dict[str, ModuleRecord]:
         """vLLM's module tree, path by path, with what each module did while ``prompt`` ran

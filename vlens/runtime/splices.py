@@ -12,13 +12,15 @@ may edit them, e.g. clamp a feature of ``hook_sae_acts_post``), as at any other 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor, nn
 
 from vlens.runtime.readers import Reader
 from vlens.runtime.sites import NarrowedCall
-from vlens.sae.autoencoder import HOOK_NAMES, SAE
+
+if TYPE_CHECKING:  # a worker loads vlens.sae only when it unpickles an SAE to splice in
+    from vlens.sae.autoencoder import SAE
 
 #: Where the splices hang in vLLM's module tree: ``ROOT.KEY.hook_sae_acts_post``.
 ROOT = "vlens_saes"
@@ -38,7 +40,7 @@ class Splice(nn.Module):
         self.sae = sae
         self.read = read
         self.use_error_term = use_error_term
-        for stage in HOOK_NAMES:
+        for stage in sae.hook_names:
             self.add_module(stage, nn.Identity())
 
     def forward(self, x: Tensor) -> Tensor:

@@ -22,7 +22,7 @@ import signal
 import threading
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -59,7 +59,9 @@ from vlens.runtime.source import Operation
 from vlens.runtime.splices import Splice, splices_of
 from vlens.runtime.step_store import Segment, StepStore, add_chunk, copy_rows, kept_rows
 from vlens.runtime.tensor_parallel import TensorParallel
-from vlens.sae.autoencoder import SAE
+
+if TYPE_CHECKING:  # a worker loads vlens.sae only when it unpickles an SAE to splice in
+    from vlens.sae.autoencoder import SAE
 
 
 class WorkerRuntime:

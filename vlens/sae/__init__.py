@@ -8,8 +8,9 @@ standard, jumprelu, topk and gated architectures, and computes SAELens's ``encod
 live model, for SAELens's ``SAETrainer``.
 """
 
+from typing import Any
+
 from vlens.sae.autoencoder import HOOK_NAMES, SAE
-from vlens.sae.batches import activation_batches
 from vlens.sae.config import ARCHITECTURES, NORMALIZATIONS, SAEConfig, SAEFormatError
 from vlens.sae.weights import read_log_sparsity
 
@@ -23,3 +24,13 @@ __all__ = [
     "activation_batches",
     "read_log_sparsity",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """:func:`activation_batches` on first use: it needs the model's side of vlens, which a
+    worker process that unpickles a spliced SAE (this package's numerics only) must not load."""
+    if name == "activation_batches":
+        from vlens.sae.batches import activation_batches
+
+        return activation_batches
+    raise AttributeError(f"module 'vlens.sae' has no attribute {name!r}")

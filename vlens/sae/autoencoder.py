@@ -72,6 +72,9 @@ class SAE(nn.Module):
     term, as SAELens's does.
     """
 
+    #: the hook points inside the SAE, in the order a pass reaches them
+    hook_names = HOOK_NAMES
+
     cfg: SAEConfig
     W_enc: nn.Parameter
     W_dec: nn.Parameter
