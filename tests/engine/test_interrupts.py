@@ -17,6 +17,23 @@ import pytest
 
 from vlens.engine.interrupts import WorkerWaits
 
+
+def as_a_terminal_starts_it() -> None:
+    """In a child before it runs: SIGINT's default action, as a terminal starts a program. A
+    suite started in the background of a shell without job control inherits SIGINT ignored,
+    and Python then never raises KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@pytest.fixture
+def sigint_raises():
+    """The test process's SIGINT raising KeyboardInterrupt (see :func:`as_a_terminal_starts_it`)
+    for the test; what it was, after."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
 CHILD = r"""
 import json, sys, time
 import torch
@@ -86,6 +103,7 @@ def scenarios() -> dict[str, dict]:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=as_a_terminal_starts_it,
     )
     try:
         for line in child.stdout:
@@ -246,6 +264,7 @@ def tensor_parallel_scenarios(engine_args) -> dict[str, dict]:
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,  # its own process group, signalled whole as by a terminal
+        preexec_fn=as_a_terminal_starts_it,
     )
     results = []
     try:
@@ -297,7 +316,7 @@ def test_a_second_ctrl_c_stops_a_slow_step_at_once_and_the_engine_says_to_rebuil
 # ---- WorkerWaits alone ----------------------------------------------------------------------------
 
 
-def test_a_ctrl_c_while_waiting_on_workers_is_raised_when_the_wait_ends():
+def test_a_ctrl_c_while_waiting_on_workers_is_raised_when_the_wait_ends(sigint_raises):
     waits = WorkerWaits()
     after_signal = []
     with pytest.raises(KeyboardInterrupt), waits.wait():
@@ -307,7 +326,7 @@ def test_a_ctrl_c_while_waiting_on_workers_is_raised_when_the_wait_ends():
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
-def test_a_second_ctrl_c_while_waiting_on_workers_is_raised_at_once():
+def test_a_second_ctrl_c_while_waiting_on_workers_is_raised_at_once(sigint_raises):
     waits = WorkerWaits()
     after_signal = []
     with pytest.raises(KeyboardInterrupt) as raised, waits.wait():
