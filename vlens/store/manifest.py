@@ -119,12 +119,13 @@ def write_atomically(path: Path, write: Callable[[Path], object]) -> None:
     temp = path.with_name(path.name + TEMP_SUFFIX)
     write(temp)
     temp.chmod(0o644)  # safetensors creates files only their owner can read; stores are shared
-    _fsync(temp)
+    fsync(temp)
     os.replace(temp, path)
-    _fsync(path.parent)
+    fsync(path.parent)
 
 
-def _fsync(path: Path) -> None:
+def fsync(path: Path) -> None:
+    """Flush a file's or a folder's entries to disk."""
     descriptor = os.open(path, os.O_RDONLY)
     try:
         os.fsync(descriptor)

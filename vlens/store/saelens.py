@@ -37,6 +37,7 @@ from safetensors import safe_open
 from vlens.store.manifest import (
     MANIFEST,
     StoreError,
+    fsync,
     read_manifest,
     shard_problems,
     write_atomically,
@@ -142,13 +143,13 @@ def write_saelens_dataset(
             dataset.save_to_disk(str(temp))
         del dataset
         for path in temp.iterdir():
-            _fsync(path)
+            fsync(path)
         text = json.dumps(record, indent=2) + "\n"
         write_atomically(temp / RECORD, lambda path: path.write_text(text, encoding="utf-8"))
         if out.exists():
             shutil.rmtree(out)
         os.replace(temp, out)
-        _fsync(out.parent)
+        fsync(out.parent)
     finally:
         shutil.rmtree(cache, ignore_errors=True)
     return result
@@ -303,11 +304,3 @@ def _datasets_progress(shown: bool) -> Iterator[None]:
         yield
     finally:
         (datasets.enable_progress_bars if was else datasets.disable_progress_bars)()
-
-
-def _fsync(path: Path) -> None:
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
