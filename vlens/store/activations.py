@@ -106,11 +106,17 @@ def read_prompts(path: Path) -> Iterator[Prompt]:
     """The prompts of a file, lazily: in a ``.jsonl`` file one JSON object per line with a "text"
     (string) or a "tokens" (token ids) field; in any other file one text per line. Blank lines
     are skipped."""
-    jsonl = path.suffix == ".jsonl"
     with path.open(encoding="utf-8") as lines:
         for number, line in enumerate(lines, 1):
             if line.strip():
-                yield _json_prompt(line, f"{path}:{number}") if jsonl else line.rstrip("\r\n")
+                yield prompt_of_line(line, path, number)
+
+
+def prompt_of_line(line: str, path: Path, number: int) -> Prompt:
+    """The prompt on line ``number`` (not blank) of the prompt file at ``path``."""
+    if path.suffix == ".jsonl":
+        return _json_prompt(line, f"{path}:{number}")
+    return line.rstrip("\r\n")
 
 
 def count_prompts(path: Path) -> int:
@@ -161,7 +167,7 @@ class ActivationStore:
         """Open ``folder`` to write or resume: refuses a folder it cannot write and a manifest made
         with other settings, removes what an interrupted run left unrecorded, and checks every
         recorded shard."""
-        _require_writable_folder(folder)
+        require_writable_folder(folder)
         manifest = read_manifest(folder)
         if manifest is not None:
             _require_same_settings(manifest, settings, folder / MANIFEST)
@@ -255,7 +261,7 @@ class ActivationStore:
             write_manifest(self.folder, self.manifest)
 
 
-def _require_writable_folder(folder: Path) -> None:
+def require_writable_folder(folder: Path) -> None:
     """Refuse, before any work, a store folder that is a file, lies under one, or is not
     writable."""
     try:

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
+from vlens.store.blocks import INDEX, index_blocks, read_index
 from vlens.store.manifest import (
     MANIFEST,
     StoreError,
@@ -93,21 +94,19 @@ def write_saelens_dataset(
     datasets = require_datasets()
     store_folder = Path(store_folder)
     out = Path(out_folder) if out_folder is not None else store_folder / DATASET_FOLDER
-    manifest = read_manifest(store_folder)
-    if manifest is None:
-        raise StoreError(
-            f"{store_folder} has no {MANIFEST}: it is not a vlens store, or no shard was written "
-            f"yet; fill it with `vlens cache` first"
-        )
+    parts = _parts(store_folder)
+    manifest = parts[0][1]  # every block of a blocked store has the same names and dtype
+    prompts = [prompt for _, part in parts for prompt in part["prompts"]]
     names = list(manifest["names"]) if names is None else list(names)
     d_in = exportable_widths(manifest, names)
     dtype = ARROW_DTYPES[manifest["dtype"]]
-    size, left_out = _context_size(manifest["prompts"], context_size)
+    size, left_out = _context_size(prompts, context_size)
+    manifests = b"".join((folder / MANIFEST).read_bytes() for folder, _ in parts)
     record = {
         "format": RECORD_FORMAT,
-        "store_manifest_sha256": hashlib.sha256((store_folder / MANIFEST).read_bytes()).hexdigest(),
+        "store_manifest_sha256": hashlib.sha256(manifests).hexdigest(),
         "context_size": size,
-        "contexts": len(manifest["prompts"]),
+        "contexts": len(prompts),
         "d_in": d_in,
         "dtype": dtype,
     }
@@ -116,13 +115,13 @@ def write_saelens_dataset(
     if _already_written(out, record, features):
         return dataclasses.replace(result, written=False)
     _require_replaceable(out)
-    if check_shards:
-        problems = shard_problems(store_folder, manifest)
+    for folder, part in parts if check_shards else []:
+        problems = shard_problems(folder, part)
         if problems:
             index, problem = next(iter(problems.items()))
             raise StoreError(
-                f"{len(problems)} shards of {store_folder} fail their check "
-                f"({manifest['shards'][index]['file']}: {problem}): run the same `vlens cache` "
+                f"{len(problems)} shards of {folder} fail their check "
+                f"({part['shards'][index]['file']}: {problem}): run the same `vlens cache` "
                 f"command again to rewrite them, then write the dataset again"
             )
 
@@ -134,7 +133,7 @@ def write_saelens_dataset(
         with _datasets_progress(progress):
             dataset = datasets.Dataset.from_generator(
                 # Bound here, not through gen_kwargs: datasets splits list arguments into shards.
-                functools.partial(_contexts, store_folder, manifest, names, size, dtype),
+                functools.partial(_contexts, parts, names, size, dtype),
                 features=features,
                 cache_dir=str(cache),
                 fingerprint=hashlib.sha256(json.dumps(record).encode()).hexdigest()[:32],
@@ -248,26 +247,52 @@ def _context_size(prompts: list[dict[str, Any]], wanted: int | None) -> tuple[in
 
 
 def _contexts(
-    store: Path, manifest: dict[str, Any], names: list[str], size: int, dtype: str
+    parts: list[tuple[Path, dict[str, Any]]], names: list[str], size: int, dtype: str
 ) -> Iterator[dict[str, np.ndarray]]:
     """One row of the dataset per stored prompt, in store order, read from its shard alone."""
-    opened: tuple[int, Any] | None = None
-    with contextlib.ExitStack() as stack:
-        for prompt in manifest["prompts"]:
-            if opened is None or opened[0] != prompt["shard"]:
-                stack.close()
-                file = manifest["shards"][prompt["shard"]]["file"]
-                opened = prompt["shard"], stack.enter_context(safe_open(store / file, "pt"))
-            shard, start = opened[1], prompt["start"]
-            row = {
-                name: shard.get_slice(name)[start : start + size]
-                .reshape(size, -1)
-                .to(TORCH_DTYPES[dtype])
-                .numpy()
-                for name in names
-            }
-            row["token_ids"] = np.asarray(prompt["tokens"][:size], dtype=np.int32)
-            yield row
+    for folder, manifest in parts:
+        opened: tuple[int, Any] | None = None
+        with contextlib.ExitStack() as stack:
+            for prompt in manifest["prompts"]:
+                if opened is None or opened[0] != prompt["shard"]:
+                    stack.close()
+                    file = manifest["shards"][prompt["shard"]]["file"]
+                    opened = prompt["shard"], stack.enter_context(safe_open(folder / file, "pt"))
+                shard, start = opened[1], prompt["start"]
+                row = {
+                    name: shard.get_slice(name)[start : start + size]
+                    .reshape(size, -1)
+                    .to(TORCH_DTYPES[dtype])
+                    .numpy()
+                    for name in names
+                }
+                row["token_ids"] = np.asarray(prompt["tokens"][:size], dtype=np.int32)
+                yield row
+
+
+def _parts(store_folder: Path) -> list[tuple[Path, dict[str, Any]]]:
+    """The stores that make ``store_folder``, with their manifests, in prompt order: itself, or
+    the blocks of a store written on Ray (``vlens cache --ray``), which must all be complete."""
+    if (store_folder / INDEX).exists():
+        parts = []
+        for block in index_blocks(read_index(store_folder)):
+            folder = store_folder / block.folder
+            manifest = read_manifest(folder) if folder.is_dir() else None
+            stored = 0 if manifest is None else len(manifest["prompts"])
+            if stored != block.count:
+                raise StoreError(
+                    f"{folder} holds {stored} of its {block.count} prompts: run the same "
+                    f"`vlens cache --ray` command again to complete the store first"
+                )
+            parts.append((folder, manifest))
+        return parts
+    manifest = read_manifest(store_folder)
+    if manifest is None:
+        raise StoreError(
+            f"{store_folder} has no {MANIFEST}: it is not a vlens store, or no shard was written "
+            f"yet; fill it with `vlens cache` first"
+        )
+    return [(store_folder, manifest)]
 
 
 def _already_written(out: Path, record: dict[str, Any], features: Any) -> bool:
