@@ -30,8 +30,9 @@ from vlens.testing.tiny import tiny_model
 
 PATTERNS = ["hook_embed", "blocks.*.hook_resid_post", "blocks.1.attn.hook_z"]
 WORDS = "the river ran past an old mill where children played in summer and snow fell".split()
-# Fractional CPUs: on a two-core machine, workers of one CPU each would leave Ray Data none.
-TWO_WORKERS = Workers(count=2, cpus=0.5)
+# Fractional CPUs: on a two-core machine, workers of one CPU each would leave Ray Data none; on a
+# machine with one GPU, the two share it.
+TWO_WORKERS = Workers(count=2, gpus=0.5 if torch.cuda.is_available() else 0, cpus=0.5)
 
 
 @pytest.fixture(scope="module")

@@ -43,8 +43,9 @@ from vlens.store.blocks import (
 )
 from vlens.store.manifest import StoreError
 
-#: The driver's environment that the workers get too (vLLM's and vlens's settings).
-FORWARDED_ENVIRONMENT = ("VLLM_", "VLENS_", "HF_", "TRANSFORMERS_", "TRITON_")
+#: The driver's environment that the workers get too: vLLM's and vlens's settings, and the
+#: threads of a CPU engine (Ray otherwise sets OMP_NUM_THREADS to the worker's CPUs, at least 1).
+FORWARDED_ENVIRONMENT = ("VLLM_", "VLENS_", "HF_", "TRANSFORMERS_", "TRITON_", "OMP_NUM_THREADS")
 
 
 @dataclass(frozen=True)
