@@ -135,6 +135,9 @@ def main() -> None:
     commands = {"one engine": (None, None)}
     for workers in args.workers:
         commands[f"ray, {workers} workers"] = (workers, cores and max(1, cores // workers))
+    # A first process pays for what later ones find cached (kernels, compiled code): not timed.
+    run({**common, "workers": None, "prompts": str(files["small"]),
+         "out": str(args.work / "warm-up")}, args.work / "warm-up.log", None)
     results: dict[str, dict] = {}
     for label, (workers, threads) in commands.items():
         seconds = {}

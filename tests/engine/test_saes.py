@@ -57,7 +57,7 @@ def test_names_hold_the_sae_of_the_clean_activation(model, clean, tmp_path):
 def test_the_model_computes_on_with_the_reconstruction(model, tmp_path):
     sae = sae_at(tmp_path, NAME, model.cfg.d_model)
     spliced = model.run_with_saes(TEXTS, saes=[sae])
-    by_hook = model.run_with_hooks(TEXTS, fwd_hooks=[(NAME, lambda x, hook: sae(x))])
+    by_hook = model.run_with_hooks(TEXTS, fwd_hooks=[(NAME, lambda x, hook: sae.to(x.device)(x))])
     torch.testing.assert_close(spliced, by_hook, rtol=RTOL, atol=1e-5)
 
 
@@ -78,7 +78,7 @@ def test_the_error_term_keeps_the_clean_model_and_edited_features_survive(model,
     # every feature off: the output is the decoder bias plus the clean error
     expected = model.run_with_hooks(
         TEXTS,
-        fwd_hooks=[(NAME, lambda x, hook: sae.b_dec + (x - sae(x).detach()))],
+        fwd_hooks=[(NAME, lambda x, hook: sae.to(x.device).b_dec + (x - sae(x).detach()))],
     )
     torch.testing.assert_close(edited, expected, rtol=RTOL, atol=1e-5)
 

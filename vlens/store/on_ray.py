@@ -157,8 +157,9 @@ def _fill_on_ray(pending: list[Block], total: int, filler: dict[str, Any], addre
     filled = ray.data.from_items(records, override_num_blocks=len(records)).map_batches(
         BlockFiller,
         batch_size=1,
-        # One block in flight per worker: a worker that dies costs only the block it writes.
-        compute=ray.data.ActorPoolStrategy(size=count, max_tasks_in_flight_per_actor=1),
+        # A worker writes one block and has the next queued (no pause between blocks); one
+        # that dies loses only what it wrote of the first since its last shard.
+        compute=ray.data.ActorPoolStrategy(size=count, max_tasks_in_flight_per_actor=2),
         num_gpus=gpus,
         num_cpus=workers.cpus,
         fn_constructor_kwargs=filler,
