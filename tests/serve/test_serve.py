@@ -199,8 +199,8 @@ def test_a_streamed_completion_is_steered_and_captured_as_a_whole_one(client, se
 
 def test_what_vlens_fields_cannot_combine_with_is_a_400_and_the_server_keeps_serving(client):
     capture = {"capture": ["blocks.0.hook_resid_post"]}
-    with pytest.raises(openai.BadRequestError, match="n=1"):
-        complete(client, prompt_of(5), capture, n=2)
+    with pytest.raises(openai.BadRequestError, match="takes n=1"):
+        list(complete(client, prompt_of(5), capture, n=2, stream=True))
     with pytest.raises(openai.BadRequestError, match="takes one prompt"):
         complete(client, [prompt_of(5), prompt_of(6)], capture, stream=True)
     for key, value in (("vlens_tag", "serve-0:0"), ("vlens_fields", "0" * 32)):
@@ -208,6 +208,32 @@ def test_what_vlens_fields_cannot_combine_with_is_a_400_and_the_server_keeps_ser
             client.completions.create(prompt=prompt_of(5), **GREEDY,
                                       extra_body={"vllm_xargs": {key: value}})
     assert len(new_tokens(complete(client, prompt_of(5), capture))) == 8
+
+
+def test_n_samples_are_each_steered_and_captured_as_requests_of_their_own(client, server):
+    """``n`` samples with vlens fields: sample ``i`` is the request alone with seed ``seed + i``
+    (vLLM's own rule for n > 1), steered, with its own capture; in completions and chat."""
+    fields = {"steering": [{"name": STEERED, "add": "up", "scale": 6.0}],
+              "capture": ["blocks.1.hook_resid_post"]}
+    sampling = dict(temperature=1.0, max_tokens=8)
+    together = complete(client, prompt_of(8), fields, n=3, seed=5, **sampling)
+    alone = [complete(client, prompt_of(8), fields, seed=5 + i, **sampling) for i in range(3)]
+    plain = complete(client, prompt_of(8), None, n=3, seed=5, **sampling)
+    assert [choice.index for choice in together.choices] == [0, 1, 2]
+    tokens = [list(choice.model_extra["token_ids"]) for choice in together.choices]
+    assert tokens == [new_tokens(response) for response in alone]
+    assert len({tuple(sample) for sample in tokens}) > 1  # the samples differ
+    assert tokens != [list(choice.model_extra["token_ids"]) for choice in plain.choices]
+    for choice, single in zip(together.choices, alone, strict=True):
+        got = load(fetch(server, choice.model_extra["vlens"]["activations"]))
+        expected = load(fetch(server, single.model_extra["vlens"]["activations"]))
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)  # other batches
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hello"}], n=2, seed=3,
+        extra_body={"ignore_eos": True, "vlens": fields}, **sampling)
+    assert [choice.index for choice in chat.choices] == [0, 1]
+    captures = [choice.model_extra["vlens"]["activations"] for choice in chat.choices]
+    assert len(set(captures)) == 2
 
 
 def test_chat_completions_steer_and_capture(client, server, hooked, up):

@@ -13,6 +13,7 @@ a ticket pass straight through.
 from __future__ import annotations
 
 import asyncio
+import copy
 import itertools
 import uuid
 from collections.abc import AsyncGenerator, Mapping
@@ -105,9 +106,23 @@ class VlensEngineClient:
                 f"vllm_xargs.{FIELDS_KEY} is not a request vlens admitted; send a vlens object "
                 f"to /v1/completions or /v1/chat/completions"
             )
-        tag = f"serve-{next(_serial)}:0"
-        extra[TAG_KEY] = tag
         sampling_params.extra_args = extra
+        if sampling_params.n == 1:
+            outputs = self._request(prompt, sampling_params, request_id, request_id, planned,
+                                    args, kwargs)
+        else:
+            outputs = self._samples(prompt, sampling_params, request_id, planned, args, kwargs)
+        async for output in outputs:
+            yield output
+
+    async def _request(
+        self, prompt: Any, sampling_params: Any, request_id: str, capture_key: str,
+        planned: Planned, args: tuple, kwargs: dict,
+    ) -> AsyncGenerator[Any, None]:
+        """One engine request under a tag of its own; what it captured kept as
+        ``capture_key``."""
+        tag = f"serve-{next(_serial)}:0"
+        sampling_params.extra_args = {**sampling_params.extra_args, TAG_KEY: tag}
         prompt = with_cache_use(prompt, sampling_params, cache_use(planned.plan))
         # A client that leaves cancels this task: the workers still finish what they were asked,
         # and forget the request (shielded: the calls go on while the task is cancelled).
@@ -137,9 +152,66 @@ class VlensEngineClient:
             )
             key = await asyncio.to_thread(self.store.put, values)
             shapes = {name: list(value.shape) for name, value in values.items()}
-            self.captured[request_id] = Captured(key, shapes)
+            self.captured[capture_key] = Captured(key, shapes)
             while len(self.captured) > MAX_UNCLAIMED:  # responses that were never written
                 self.captured.pop(next(iter(self.captured)))
+
+    async def _samples(
+        self, prompt: Any, sampling_params: Any, request_id: str, planned: Planned,
+        args: tuple, kwargs: dict,
+    ) -> AsyncGenerator[Any, None]:
+        """``n`` samples as ``n`` requests of one sample, each tagged (and captured) on its own,
+        as vLLM splits them itself (child ``i``: request id ``{i}_{id}``, seed ``seed + i``);
+        their outputs merged back into the request's, sample ``i`` at index ``i``. vLLM's own
+        split would give every sample the one tag, and the workers one request's rows."""
+        count = sampling_params.n
+        queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+        async def sample(index: int) -> None:
+            child = copy.copy(sampling_params)
+            child.n = 1
+            if child.seed is not None:
+                child.seed = sampling_params.seed + index
+            try:
+                async for output in self._request(
+                    prompt, child, f"{index}_{request_id}", sample_key(request_id, index, count),
+                    planned, args, kwargs,
+                ):
+                    await queue.put((index, output))
+            except BaseException as error:
+                await queue.put((index, error))
+                raise
+            await queue.put((index, None))
+
+        tasks = [asyncio.ensure_future(sample(index)) for index in range(count)]
+        final_only = sampling_params.output_kind == RequestOutputKind.FINAL_ONLY
+        finals: dict[int, Any] = {}
+        running = count
+        try:
+            while running:
+                index, output = await queue.get()
+                if isinstance(output, BaseException):
+                    raise output
+                if output is None:
+                    running -= 1
+                    continue
+                output.request_id = request_id
+                for completion in output.outputs:
+                    completion.index = index
+                if final_only:
+                    finals[index] = output
+                    continue
+                output.finished = output.finished and running == 1
+                yield output
+            if final_only:
+                merged = finals[count - 1]
+                merged.outputs = [finals[i].outputs[0] for i in range(count)]
+                merged.finished = True
+                yield merged
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _forget(self, prepared: asyncio.Future, tag: str) -> Handback | None:
         """The workers' hand-back of request ``tag`` once its preparation is done, and the
@@ -166,6 +238,12 @@ class VlensEngineClient:
         worker processes): one result per rank."""
         with WorkerCall(method, args) as call:
             return call.results(await self._engine.collective_rpc("vlens_call", args=call.arguments))
+
+
+def sample_key(request_id: str, index: int, count: int) -> str:
+    """The key of sample ``index`` of ``count``'s capture: the request id alone for one
+    sample."""
+    return request_id if count == 1 else f"{request_id}#{index}"
 
 
 def with_cache_use(prompt: Any, sampling_params: Any, use: CacheUse) -> Any:

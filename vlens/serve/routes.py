@@ -27,7 +27,7 @@ from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionReque
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
 from vlens.runtime.messages import TAG_KEY
-from vlens.serve.engine_client import FIELDS_KEY, VlensEngineClient
+from vlens.serve.engine_client import FIELDS_KEY, VlensEngineClient, sample_key
 from vlens.serve.fields import BadVlensField, read_fields
 
 Endpoint = Callable[..., Awaitable[Any]]
@@ -139,7 +139,7 @@ async def _with_vlens_fields(path: str, request: Any, raw_request: Request) -> R
         return response
     body = json.loads(response.body)
     for choice in body.get("choices", []):
-        field = _claim_capture(client, path, body["id"], choice["index"])
+        field = _claim_capture(client, path, body["id"], choice["index"], _samples(request))
         if field is not None:
             choice["vlens"] = field
     if len(body.get("choices", [])) == 1 and "vlens" in body["choices"][0]:
@@ -171,7 +171,7 @@ async def _captures_before_done(
         if first is None and text.startswith("data: {"):
             first = json.loads(text[len("data: "):])
         if text.strip() == "data: [DONE]" and first is not None:
-            field = _claim_capture(client, path, first["id"], 0)
+            field = _claim_capture(client, path, first["id"], 0, 1)
             if field is not None:
                 final = {part: first[part] for part in ("id", "object", "created", "model")}
                 yield f"data: {json.dumps({**final, 'choices': [], 'vlens': field})}\n\n"
@@ -179,13 +179,16 @@ async def _captures_before_done(
 
 
 def _claim_capture(
-    client: VlensEngineClient, path: str, response_id: str, index: int
+    client: VlensEngineClient, path: str, response_id: str, index: int, samples: int
 ) -> dict[str, Any] | None:
     """The ``vlens`` field of choice ``index`` of a response, taken from what the engine client
     kept under the request id vLLM's handler gave that choice's engine request (completions:
-    ``{response id}-{prompt index}``; chat: the response id)."""
-    key = f"{response_id}-{index}" if path == COMPLETIONS else response_id
-    captured = client.captured.pop(key, None)
+    ``{response id}-{prompt index}``; chat: the response id), and the choice's sample where the
+    request asked for ``samples`` > 1 (choice ``index`` is sample ``index % samples`` of prompt
+    ``index // samples``)."""
+    prompt, sample = divmod(index, samples)
+    request_id = f"{response_id}-{prompt}" if path == COMPLETIONS else response_id
+    captured = client.captured.pop(sample_key(request_id, sample, samples), None)
     if captured is None:
         return None
     return {"activations": captured.activations, "names": captured.names}
@@ -204,8 +207,11 @@ def with_steered_model(value: Any, steered_model: dict | None) -> Any:
 
 def _check_request(request: Any, captures: bool) -> None:
     """What a request with ``vlens`` fields cannot combine them with."""
-    if (getattr(request, "n", 1) or 1) > 1:
-        raise BadVlensField("vlens fields need n=1 (send one request per sample)")
+    if captures and getattr(request, "stream", False) and _samples(request) > 1:
+        raise BadVlensField(
+            "a streamed request that captures takes n=1 (its capture comes in the stream's "
+            "last event); send n requests, or stream: false"
+        )
     if getattr(request, "use_beam_search", False):
         raise BadVlensField("vlens fields cannot be combined with beam search")
     prompt = getattr(request, "prompt", None)
@@ -215,6 +221,10 @@ def _check_request(request: Any, captures: bool) -> None:
             "a streamed request that captures takes one prompt (its capture comes in the "
             "stream's last event); send one request per prompt, or stream: false"
         )
+
+
+def _samples(request: Any) -> int:
+    return getattr(request, "n", 1) or 1
 
 
 def _client() -> VlensEngineClient:
