@@ -128,12 +128,14 @@ def ray_cache_command(args: argparse.Namespace, folder: Path) -> None:
     if args.format == "saelens":
         specs = checkpoint_specs(folder)
         _require_saelens_names(resolve_names(args.names, specs), specs)
-    workers = Workers(args.workers, args.gpus_per_worker, args.cpus_per_worker,
-                      args.tensor_parallel_size)
+    given = {"count": args.workers, "gpus": args.gpus_per_worker, "cpus": args.cpus_per_worker,
+             "tensor_parallel_size": args.tensor_parallel_size}
+    workers = Workers(**{key: value for key, value in given.items() if value is not None})
+    block = {} if args.block_prompts is None else {"block_prompts": args.block_prompts}
     run = write_activations_on_ray(
         folder, args.prompts, args.names, args.out, address=args.ray or None, workers=workers,
-        block_prompts=args.block_prompts, batch_size=args.batch_size,
-        shard_tokens=args.shard_tokens, dtype=args.dtype, max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size, shard_tokens=args.shard_tokens, dtype=args.dtype,
+        max_new_tokens=args.max_new_tokens, **block,
     )
     written = (f"{run.filled} written by this run in {run.seconds:.1f} s, "
                f"{run.tokens_per_second:,.0f} tokens/s" if run.filled else "all already complete")
@@ -180,10 +182,6 @@ def _require_cache_arguments(args: argparse.Namespace) -> None:
     given = [option for option, value in ray_options.items() if value is not None]
     if args.ray is None and given:
         args.usage_error(f"{', '.join(given)} set how Ray runs the workers: add --ray")
-    if args.ray is not None:
-        args.cpus_per_worker = 1.0 if args.cpus_per_worker is None else args.cpus_per_worker
-        args.tensor_parallel_size = args.tensor_parallel_size or 1
-        args.block_prompts = args.block_prompts or 1024
     if args.context_size is not None and args.format != "saelens":
         args.usage_error("--context-size sets SAELens's contexts: it goes with --format saelens")
     if args.context_size is not None and args.context_size < 1:

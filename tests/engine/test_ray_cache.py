@@ -19,7 +19,7 @@ import ray
 import torch
 from conftest import engine_args_of_tests
 from datasets import load_from_disk
-from safetensors.torch import load_file
+from test_cli import stored
 
 from vlens import cli
 from vlens.store.activations import read_prompts, write_activations
@@ -58,13 +58,8 @@ def prompt_rows(folder: Path) -> list[tuple[list[int], dict[str, torch.Tensor]]]
              if index.exists() else [folder])
     rows = []
     for part in parts:
-        manifest = json.loads((part / "manifest.json").read_text())
-        shards = [load_file(part / shard["file"]) for shard in manifest["shards"]]
-        for prompt in manifest["prompts"]:
-            shard = shards[prompt["shard"]]
-            values = {name: shard[name][prompt["start"] : prompt["stop"]]
-                      for name in manifest["names"]}
-            rows.append((prompt["tokens"], values))
+        manifest, values = stored(part)
+        rows += [(prompt["tokens"], row) for prompt, row in zip(manifest["prompts"], values)]
     return rows
 
 

@@ -212,9 +212,15 @@ def _json(record: dict[str, Any]) -> str:
 # ---- the blocks' state ---------------------------------------------------------------------------
 
 
+def block_manifest(out: Path, block: Block) -> dict[str, Any] | None:
+    """The manifest of ``block``'s store, or None before it has one."""
+    folder = out / block.folder
+    return read_manifest(folder) if folder.is_dir() else None
+
+
 def stored_prompts(out: Path, block: Block) -> int:
     """How many of ``block``'s prompts its store records (0 before it has a manifest)."""
-    manifest = read_manifest(out / block.folder) if (out / block.folder).is_dir() else None
+    manifest = block_manifest(out, block)
     return 0 if manifest is None else len(manifest["prompts"])
 
 
@@ -225,10 +231,9 @@ def blocks_to_fill(
     block's shards are hashed: a run started again skips only verified blocks)."""
     pending = []
     for block in progress(blocks):
-        folder = out / block.folder
-        manifest = read_manifest(folder) if folder.is_dir() else None
+        manifest = block_manifest(out, block)
         whole = manifest is not None and len(manifest["prompts"]) == block.count
-        if not whole or shard_problems(folder, manifest):
+        if not whole or shard_problems(out / block.folder, manifest):
             pending.append(block)
     return pending
 
@@ -260,12 +265,11 @@ def verify_blocks_report(out: Path) -> tuple[list[str], bool]:
     blocks = index_blocks(index)
     lines, failing, incomplete, rows, prompts = [], 0, [], 0, 0
     for block in blocks:
-        folder = out / block.folder
-        manifest = read_manifest(folder) if folder.is_dir() else None
+        manifest = block_manifest(out, block)
         if manifest is None:
             incomplete.append(f"{block.folder}: 0 of {block.count} prompts")
             continue
-        block_lines, passed = verify_report(folder)
+        block_lines, passed = verify_report(out / block.folder)
         rows += sum(shard["rows"] for shard in manifest["shards"])
         prompts += len(manifest["prompts"])
         if not passed:

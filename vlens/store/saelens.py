@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from vlens.store.blocks import INDEX, index_blocks, read_index
+from vlens.store.blocks import INDEX, block_manifest, index_blocks, read_index
 from vlens.store.manifest import (
     MANIFEST,
     StoreError,
@@ -276,8 +276,7 @@ def _parts(store_folder: Path) -> list[tuple[Path, dict[str, Any]]]:
     if (store_folder / INDEX).exists():
         parts = []
         for block in index_blocks(read_index(store_folder)):
-            folder = store_folder / block.folder
-            manifest = read_manifest(folder) if folder.is_dir() else None
+            folder, manifest = store_folder / block.folder, block_manifest(store_folder, block)
             stored = 0 if manifest is None else len(manifest["prompts"])
             if stored != block.count:
                 raise StoreError(
