@@ -324,7 +324,7 @@ def worker_eager(
 
     from vlens import HookedVLLM
 
-    model = HookedVLLM.from_pretrained(path, dtype=preset["dtype"], **preset["engine"])
+    model = HookedVLLM.from_pretrained(path, dtype=preset["dtype"], **engine_args(preset))
     llm = model.engine.llm
     record_runner(timer, llm)
     prompts = prompts_for(preset, model.cfg.d_vocab)
@@ -415,7 +415,8 @@ def worker_graph(preset: dict[str, Any], path: Path, timer: Timer, every_layer: 
     every = [f"blocks.{i}.hook_resid_post" for i in range(n_layers)]
     declared = {"compiled_capture": every} if every_layer else {
         "compiled_capture": [one], "compiled_steering": [one]}
-    model = HookedVLLM.from_pretrained(path, dtype=preset["dtype"], **declared, **preset["engine"])
+    model = HookedVLLM.from_pretrained(path, dtype=preset["dtype"], **declared,
+                                       **engine_args(preset))
     llm = model.engine.llm
     record_runner(timer, llm)
     prompts = prompts_for(preset, model.cfg.d_vocab)
@@ -487,7 +488,7 @@ def worker_hooks(
     kind = "hooks" if every_layer else "hooks_1"
     model = HookedVLLM.from_pretrained(path, dtype=preset["dtype"],
                                        compiled_hooks=every if every_layer else [one],
-                                       **preset["engine"])
+                                       **engine_args(preset))
     llm = model.engine.llm
     record_runner(timer, llm)
     prompts = prompts_for(preset, model.cfg.d_vocab)
@@ -540,6 +541,12 @@ def worker_hooks(
         write_profile(profile, len(prompts), short, tuple(runs))
 
 
+def engine_args(preset: dict[str, Any]) -> dict[str, Any]:
+    """Every engine's arguments: the preset's, prefix caching off (every repetition sends the
+    same prompts, which a prefix cache would serve from the second on)."""
+    return {**preset["engine"], "enable_prefix_caching": False}
+
+
 def peak_rss_bytes() -> int:
     """The process's peak resident memory (engine, KV cache and every cache it returned)."""
     import resource
@@ -556,12 +563,11 @@ def worker_compiled(
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    engine = {k: v for k, v in preset["engine"].items()}
+    engine = engine_args(preset)
     if piecewise:
         engine["compilation_config"] = {"cudagraph_mode": "PIECEWISE"}
     kind = "compiled_piecewise" if piecewise else "compiled"
-    llm = LLM(model=str(path), dtype=preset["dtype"], enforce_eager=False,
-              enable_prefix_caching=False, **engine)
+    llm = LLM(model=str(path), dtype=preset["dtype"], enforce_eager=False, **engine)
     from transformers import AutoConfig
 
     prompts = prompts_for(preset, AutoConfig.from_pretrained(path).vocab_size)

@@ -154,9 +154,8 @@ def hook_site_compilation(user_config: Any) -> dict[str, Any]:
     """vLLM's compilation config for an engine whose graph runs hook functions: the hook sites'
     op (:data:`vlens.runtime.hook_sites.OP`) among the ops the graph is split at, beside vLLM's
     own (attention), so that vLLM captures the pieces between them as CUDA graphs and runs the op
-    eagerly in between. Any CUDA graph mode: a step in which some site is active never replays a
-    full CUDA graph (which would replay what the op did once, at capture; see
-    :func:`vlens.runtime.hook_sites.no_full_graphs_while_active`), the others do."""
+    eagerly in between. Any CUDA graph mode: full graphs break at the op
+    (:mod:`vlens.runtime.graph_breaks`)."""
     from vllm.config import CompilationConfig
 
     from vlens.runtime.hook_sites import OP

@@ -22,6 +22,7 @@ from typing import Any
 import cloudpickle
 
 from vlens.runtime.graph import GraphName, install_graph_sites
+from vlens.runtime.graph_breaks import segment_graphs_at_hook_sites
 from vlens.runtime.worker import GRAPH_ATTRIBUTE
 
 #: The environment variable naming the file of the graph names (set while an engine is built).
@@ -32,6 +33,8 @@ class InstallsGraphSites:
     """Mixed in before vLLM's worker class: loads the model, then installs the graph names."""
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
+        from vllm.platforms import current_platform
+
         super().load_model(*args, **kwargs)  # type: ignore[misc]
         path = os.environ.get(GRAPH_NAMES_FILE)
         if path is None:
@@ -40,7 +43,10 @@ class InstallsGraphSites:
                 f"engines with HookedVLLM.from_pretrained(..., compiled_capture=...)"
             )
         names = cloudpickle.loads(Path(path).read_bytes())  # written by the user's own process
-        setattr(self, GRAPH_ATTRIBUTE, install_graph_sites(self.model_runner, names))  # type: ignore[attr-defined]
+        sites = install_graph_sites(self.model_runner, names)  # type: ignore[attr-defined]
+        setattr(self, GRAPH_ATTRIBUTE, sites)
+        if sites.hook_sites and not current_platform.is_cpu():  # before vLLM captures its graphs
+            segment_graphs_at_hook_sites()
 
 
 def worker_class_name() -> str:

@@ -9,10 +9,9 @@ so that what a hook function edits in place is what the rest of the graph comput
 the op is one of the compilation's ``splitting_ops``: vLLM captures the graph's pieces between
 such ops as CUDA graphs and runs the op itself eagerly between them (piecewise mode).
 
-A step in which no site is active needs no Python: it replays vLLM's full CUDA graph where vLLM
-captured one (decode steps, in its default mode), in which the op did nothing at capture. While
-some site is active, the runner's choice of graph is kept off full graphs (:func:`no_full_graphs_while_active`),
-so that every step runs the op.
+Full CUDA graphs (vLLM's decode steps, in its default mode) capture the whole step in one graph;
+there the op breaks the capture (:mod:`vlens.runtime.graph_breaks`), so that a replay calls into
+Python at each declared site, between captured segments that keep attention inside them.
 
 What runs inside is the eager engine's own machinery (:class:`~vlens.runtime.worker.WorkerRuntime`
 handling the call as if a torch hook had fired), so hook functions have the eager engine's
@@ -21,7 +20,6 @@ semantics exactly. A site no request of the step needs returns at once.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -29,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from vlens.runtime import graph_breaks
 from vlens.runtime.locations import Site
 from vlens.runtime.sites import find_module
 
@@ -47,7 +46,20 @@ _numbers = itertools.count()
 
 def hook_site(tensors: list[Tensor], layout: list[int], keywords: str, site: int) -> None:
     """Run site ``site``'s handler on the call whose tensors are ``tensors``; ``layout`` and
-    ``keywords`` say where each was in the call (:func:`flattened`)."""
+    ``keywords`` say where each was in the call (:func:`flattened`). While a full CUDA graph is
+    captured, break it here (:mod:`vlens.runtime.graph_breaks`): the call is made at every
+    replay, on the graph's own buffers, which weak references name without holding them."""
+    graph = graph_breaks.current()
+    if graph is None:
+        _run_site(tensors, layout, keywords, site)
+        return
+    from vllm.utils.torch_utils import weak_ref_tensor
+
+    buffers = [weak_ref_tensor(tensor) for tensor in tensors]
+    graph.add_eager(lambda: _run_site(buffers, layout, keywords, site))
+
+
+def _run_site(tensors: list[Tensor], layout: list[int], keywords: str, site: int) -> None:
     if site in _active:
         _handlers[site](*rebuilt(tensors, layout, keywords))
 
@@ -75,41 +87,6 @@ def activate(numbers: Iterable[int], active: bool) -> None:
         _active.update(numbers)
     else:
         _active.difference_update(numbers)
-
-
-def no_full_graphs_while_active(runner: Any) -> None:
-    """Make the model runner choose no full CUDA graph for a step while some hook site is
-    active: the piecewise graph of the step's size where vLLM captured one, else the compiled
-    graph without CUDA graphs. Both vLLM model runners are covered: V1's dispatcher takes the
-    modes it must not choose; V2's manager picks the first captured graph whose description
-    fits the step, and a step described as not uniform fits only piecewise ones. Idempotent."""
-    from vllm.config import CUDAGraphMode
-
-    dispatcher = getattr(runner, "cudagraph_dispatcher", None)  # V1
-    if dispatcher is not None and not hasattr(dispatcher, "_vlens_original"):
-        dispatcher._vlens_original = original_v1 = dispatcher.dispatch
-
-        def dispatch_v1(*args: Any, invalid_modes: Any = None, **kwargs: Any) -> Any:
-            if _active:
-                invalid_modes = {*(invalid_modes or ()), CUDAGraphMode.FULL}
-            return original_v1(*args, invalid_modes=invalid_modes, **kwargs)
-
-        dispatcher.dispatch = dispatch_v1
-    manager = getattr(runner, "cudagraph_manager", None)  # V2
-    if manager is not None and not hasattr(manager, "_vlens_original"):
-        manager._vlens_original = original_v2 = manager.dispatch
-
-        def dispatch_v2(num_reqs: int, num_tokens: int, uniform: int | None, *args: Any,
-                        **kwargs: Any) -> Any:
-            if not _active:
-                return original_v2(num_reqs, num_tokens, uniform, *args, **kwargs)
-            found = original_v2(num_reqs, num_tokens, None, *args, **kwargs)
-            if found.cg_mode != CUDAGraphMode.FULL:
-                return found
-            return dataclasses.replace(found, cg_mode=CUDAGraphMode.NONE, num_tokens=num_tokens,
-                                       num_reqs=num_reqs, uniform_token_count=None)
-
-        manager.dispatch = dispatch_v2
 
 
 def install_hook_site(model: nn.Module, site: Site, handler: Handler) -> int:

@@ -187,7 +187,6 @@ class WorkerRuntime:
         return at once."""
         if not self.graph_hook_sites:
             return
-        hook_sites.no_full_graphs_while_active(self.runner)
         needed = {site for plan in self.wanted.values() for site in plan.sites}
         needed |= self.splices.keys()
         for site, number in self.graph_hook_sites.items():
