@@ -45,11 +45,16 @@ def hooked() -> Callable[..., HookedVLLM]:
     """``hooked("qwen3", **engine_args)``: the session's fp32 engine for a tiny model, built
     once: engines are the slow part of the suite. ``VLENS_TEST_ENGINE_ARGS`` (JSON) adds engine
     arguments to every engine, e.g. ``{"gpu_memory_utilization": 0.2}`` where two suites share
-    a GPU."""
+    a GPU. ``VLENS_TEST_HOOKABLE=1`` makes each eager engine a compiled one on which hook
+    functions run at every name (``compiled_hooks``): the eager engine's hook tests then run
+    on the graph's hook sites."""
     engines: dict[tuple, HookedVLLM] = {}
     extra = engine_args_of_tests()
+    hookable = os.environ.get("VLENS_TEST_HOOKABLE") == "1"
 
     def get(arch: str, **engine_args: object) -> HookedVLLM:
+        if hookable and not any(key.startswith("compiled_") for key in engine_args):
+            engine_args = {**engine_args, "compiled_hooks": every_hookable_name}
         key = (arch, *sorted(engine_args.items()))
         if key not in engines:
             engines[key] = HookedVLLM.from_pretrained(

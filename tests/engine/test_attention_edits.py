@@ -312,8 +312,8 @@ def test_tensor_parallelism_is_refused_when_the_hook_is_added():
     with pytest.raises(NotImplementedError, match="tensor parallelism"):
         HookRegistry(specs, tensor_parallel_size=2).names(pattern())
     assert HookRegistry(specs).names(pattern()) == [pattern()]
-    assert "tensor parallelism" in unsupported(tensor_parallel=True, compiled=False)  # the worker's
-    assert unsupported(tensor_parallel=False, compiled=False) is None
+    assert "tensor parallelism" in unsupported(tensor_parallel=True)  # the worker's
+    assert unsupported(tensor_parallel=False) is None
 
 
 def test_tensor_parallel_engine_refuses_and_keeps_serving():
@@ -330,10 +330,13 @@ def test_tensor_parallel_engine_refuses_and_keeps_serving():
     assert model.run_with_hooks(TEXT).shape[:2] == (1, len(model.token_lists(TEXT)[0]))
 
 
-def test_a_compiled_engine_refuses_python_hooks_on_patterns():
+def test_a_compiled_engine_takes_pattern_hooks_only_where_declared():
     specs, config = specs_of("llama")
     registry = HookRegistry(specs)
-    compiled = declare(specs, config, [pattern()], [], None)
+    compiled = declare(specs, config, [pattern()], [], None)  # read, not hooked
     planner = Planner(specs, registry, config, compiled)
-    with pytest.raises(ValueError, match="eager mode"):
+    with pytest.raises(ValueError, match=r"compiled_hooks=\['blocks.1.attn.hook_pattern'\]"):
         planner.check_hook_functions(registry.names(pattern()))
+    hookable = declare(specs, config, [], [], None, hooks=[pattern()])
+    Planner(specs, registry, config, hookable).check_hook_functions(registry.names(pattern()))
+    assert {site.event for site in (g.site for g in hookable.graph_names)} >= {"call"}

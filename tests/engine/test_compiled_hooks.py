@@ -134,6 +134,65 @@ def test_transformer_lens_patching_runs_on_the_hookable_engine(hookable, eager):
     torch.testing.assert_close(results[0], results[1], **TOLERANCE)
 
 
+def zero_head_pattern(pattern: Tensor, hook) -> None:
+    pattern[:, 1] = 0.0
+
+
+def uniform_pattern(pattern: Tensor, hook) -> Tensor:
+    """Each query attends equally to every key up to itself."""
+    causal = pattern.new_ones(pattern.shape[-2:]).tril(pattern.shape[-1] - pattern.shape[-2])
+    return (causal / causal.sum(-1, keepdim=True)).expand_as(pattern).clone()
+
+
+def halve_scores(scores: Tensor, hook) -> Tensor:
+    return scores * 0.5
+
+
+def zero_head_result(result: Tensor, hook) -> None:
+    result[:, :, 2] = 0.0
+
+
+ATTENTION_EDITS = {
+    "pattern in place": ("blocks.1.attn.hook_pattern", zero_head_pattern),
+    "pattern returned": ("blocks.1.attn.hook_pattern", uniform_pattern),
+    "scores": ("blocks.0.attn.hook_attn_scores", halve_scores),
+    "per-head results": ("blocks.1.attn.hook_result", zero_head_result),
+}
+
+
+@pytest.mark.parametrize("edit", list(ATTENTION_EDITS))
+def test_attention_hooks_edit_as_on_the_eager_engine(hookable, eager, edit):
+    """Scores, patterns and per-head results: the declared layer's attention computed in Python
+    between the graph's pieces, in prefill and at decode steps, as the eager engine does."""
+    name, function = ATTENTION_EDITS[edit]
+    names = [name, "blocks.1.hook_attn_out", "blocks.2.hook_resid_post"]
+    runs = []
+    for model in (hookable, eager):
+        with model.hooks(fwd_hooks=[(name, function)]):
+            logits, cache = model.run_with_cache(TEXTS, names_filter=names)
+            tokens = model.generate(TEXTS, max_new_tokens=6, **GREEDY)
+        runs.append((logits, cache, tokens))
+    (ours_logits, ours, ours_tokens), (theirs_logits, theirs, theirs_tokens) = runs
+    torch.testing.assert_close(ours_logits, theirs_logits, **TOLERANCE)
+    for key in names:
+        torch.testing.assert_close(ours[key], theirs[key], **TOLERANCE, msg=key)
+    assert ours_tokens == theirs_tokens
+    plain = hookable.run_with_cache(TEXTS, names_filter=names)[0]
+    assert (plain - ours_logits).abs().max() > 1e-3, "the edit changed nothing"
+
+
+def test_a_pattern_hook_that_only_looks_sees_the_eager_engines_pattern(hookable, eager):
+    seen = []
+    for model in (hookable, eager):
+        patterns: list[Tensor] = []
+        model.run_with_hooks(TEXTS, fwd_hooks=[("blocks.1.attn.hook_pattern",
+                                                lambda p, hook: patterns.append(p.clone()))])
+        seen.append(patterns)
+    assert len(seen[0]) == len(seen[1]) > 0
+    for ours, theirs in zip(*seen):
+        torch.testing.assert_close(ours, theirs, **TOLERANCE)
+
+
 def test_an_idle_hook_site_costs_nothing_and_changes_nothing(hookable, eager):
     """With no hook in a call no site of the graph calls into Python, and the tokens are the
     eager engine's."""
@@ -148,8 +207,8 @@ def test_a_name_not_declared_is_refused_with_the_declaration_to_add(hooked):
     model = hooked("llama", compiled_hooks=(RESID,))
     with pytest.raises(ValueError, match=r"compiled_hooks=\['blocks.0.hook_resid_post'\]"):
         model.run_with_hooks(TEXTS, fwd_hooks=[("blocks.0.hook_resid_post", lambda x, h: None)])
-    with pytest.raises(NotImplementedError, match="attention"):
-        hooked("llama", compiled_hooks=("blocks.0.attn.hook_pattern",))
+    with pytest.raises(ValueError, match="needs no declaration"):
+        hooked("llama", compiled_hooks=("sampler.hook_logits",))
 
 
 def test_two_ranks_run_hooks_in_their_graphs_as_one_eager_rank(eager, engine_args):
@@ -181,3 +240,21 @@ def test_two_ranks_run_hooks_in_their_graphs_as_one_eager_rank(eager, engine_arg
         _, expected = eager.run_with_cache(TEXTS, names_filter=list(names))
     for name in names:
         torch.testing.assert_close(cache[name], expected[name], **TOLERANCE, msg=name)
+
+
+def test_declarations_take_glob_patterns():
+    from transformers import AutoConfig
+
+    from vlens.mappings import mapping_for
+    from vlens.names.compiled import declare
+    from vlens.testing import tiny_model
+
+    config = AutoConfig.from_pretrained(tiny_model("llama"))
+    specs = mapping_for(config).expanded(config)
+    declared = declare(specs, config, ["blocks.0.hook_resid_*"], [], None,
+                       hooks=["blocks.*.hook_resid_post"])
+    layers = config.num_hidden_layers
+    assert declared.hooks == {f"blocks.{i}.hook_resid_post" for i in range(layers)}
+    assert {"blocks.0.hook_resid_pre", "blocks.0.hook_resid_mid"} <= declared.capture
+    with pytest.raises(ValueError, match="matches none"):
+        declare(specs, config, [], [], None, hooks=["blocks.*.hook_nothing"])

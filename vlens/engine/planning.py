@@ -230,14 +230,6 @@ class Planner:
             return
         hookable = self.compiled.hooks | self.spliced
         inside = [n for n in names if not per_sample(self.specs[n]) and n not in hookable]
-        explicit = [name for name in inside if isinstance(self.specs[name], DerivedSpec)]
-        if explicit:
-            raise ValueError(
-                f"a Python hook function on {explicit[0]} cannot run on this compiled engine: its "
-                f"forward is a traced graph, and for such a hook vlens computes that layer's "
-                f"attention in Python. Load {EAGER} for hooks on attention scores, patterns and "
-                f"per-head results"
-            )
         if inside:
             raise ValueError(
                 f"a Python hook function on {inside[0]} cannot run on this compiled engine: its "

@@ -152,13 +152,13 @@ KV_CACHE_UPDATE_OPS = ("vllm::unified_kv_cache_update", "vllm::unified_mla_kv_ca
 
 def hook_site_compilation(user_config: Any) -> dict[str, Any]:
     """vLLM's compilation config for an engine whose graph runs hook functions: the hook sites'
-    op (:data:`vlens.runtime.hook_sites.OP`) among the ops the graph is split at, beside vLLM's
-    own (attention), so that vLLM captures the pieces between them as CUDA graphs and runs the op
-    eagerly in between. Any CUDA graph mode: full graphs break at the op
+    ops (:mod:`vlens.runtime.hook_sites`) among the ops the graph is split at, beside vLLM's own
+    (attention), so that vLLM captures the pieces between them as CUDA graphs and runs the ops
+    eagerly in between. Any CUDA graph mode: full graphs break at the ops
     (:mod:`vlens.runtime.graph_breaks`)."""
     from vllm.config import CompilationConfig
 
-    from vlens.runtime.hook_sites import OP
+    from vlens.runtime.hook_sites import CALL_OP, OP
 
     if user_config is None:
         config: dict[str, Any] = {}
@@ -172,5 +172,5 @@ def hook_site_compilation(user_config: Any) -> dict[str, Any]:
     # vLLM's own default where none is given: attention, and the KV cache's update ops
     default = [*CompilationConfig._attention_ops, *KV_CACHE_UPDATE_OPS]
     splitting = list(config.get("splitting_ops") or default)
-    config["splitting_ops"] = [*splitting, OP] if OP not in splitting else splitting
+    config["splitting_ops"] = [*splitting, *(op for op in (OP, CALL_OP) if op not in splitting)]
     return config

@@ -7,20 +7,32 @@ vLLM's compiled mode traces the forward once; only hooks present at that moment 
 names it is built from), ``compiled_steering`` (names :class:`~vlens.runtime.steering.Steer`
 values may change) and ``compiled_hooks`` (names where Python hook functions run inside the graph,
 :mod:`vlens.runtime.hook_sites`; such a name can also be read and steered, through the same
-site). Everything else is refused with the eager alternative named.
+site; an attention stage, scores, pattern or per-head results, declares the names it is built
+from and a ``call`` site where the layer's attention is computed in Python for its hooks).
+Everything else is refused with the eager alternative named.
 """
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from transformers import PretrainedConfig
 
 from vlens.engine.support import EAGER
-from vlens.names.mapping import DerivedSpec, HookSpec, Spec, attention_dimensions, site_sources
+from vlens.names.mapping import (
+    DerivedSpec,
+    ExplicitStage,
+    HookSpec,
+    NoExplicitAttention,
+    Spec,
+    attention_dimensions,
+    site_sources,
+)
 from vlens.names.resolve import Explain, NamesFilter, select_names
 from vlens.runtime.graph import GraphName
+from vlens.runtime.locations import Site
 from vlens.runtime.readers import LogitsOf, writable
 
 #: The logits: traced into every compiled graph as the final norm's rows (one ``d_model`` row
@@ -62,6 +74,10 @@ def declare(
         if name in named:  # named one by one: what cannot carry hooks in the graph is refused
             check_hookable(name, specs[name])
     hooked = {name for name in hooked if hookable_in_graph(specs[name])}
+    attention = explicit_attention(specs, hooked)
+    for name in sorted(hooked):  # a formed stage's sources, read where the eager engine reads them
+        if isinstance(specs[name], DerivedSpec):
+            hooked |= set(site_sources(specs, name))
     for name in sorted(captured | steered):
         spec = specs[name]
         if isinstance(spec, HookSpec) and spec.site.event == "sampled":
@@ -84,6 +100,9 @@ def declare(
         )
         for name, spec in specs.items()
         if name in traced | steered | hooked and isinstance(spec, HookSpec)
+    ) + tuple(
+        GraphName(name, site, None, (), capture=False, steer=False, hook=True)
+        for site, name in attention.items()
     )
     return CompiledNames(
         frozenset(captured), frozenset(steered), graph_names, frozenset(traced), frozenset(hooked)
@@ -92,8 +111,25 @@ def declare(
 
 def hookable_in_graph(spec: Spec) -> bool:
     """Whether hook functions can run at a name inside the graph: one read from a module call
-    of the forward."""
-    return isinstance(spec, HookSpec) and spec.site.event != "sampled"
+    of the forward, or a stage of attention that vlens can compute in Python (scores, pattern,
+    per-head results)."""
+    if isinstance(spec, DerivedSpec):
+        return isinstance(spec.hookable, ExplicitStage)
+    return spec.site.event != "sampled"
+
+
+def explicit_attention(specs: dict[str, Spec], hooked: set[str]) -> dict[Site, str]:
+    """The ``call`` sites where the graph computes attention in Python for the hooked stages
+    (the attention kernel for scores and patterns, the output projection for per-head
+    results), each with the first stage name that needs it."""
+    sites: dict[Site, str] = {}
+    for name in sorted(hooked):
+        spec = specs[name]
+        if isinstance(spec, DerivedSpec) and isinstance(spec.hookable, ExplicitStage):
+            attention, stage = spec.hookable.attention, spec.hookable.stage
+            path = attention.projection if stage == "result" else attention.kernel
+            sites.setdefault(Site(path, "call"), name)
+    return sites
 
 
 def check_hookable(name: str, spec: Spec) -> None:
@@ -103,12 +139,13 @@ def check_hookable(name: str, spec: Spec) -> None:
             f"{name} is read after the forward, outside the compiled graph: it needs no "
             f"declaration (hook it as on an eager engine)"
         )
-    if isinstance(spec, DerivedSpec):
-        raise NotImplementedError(
-            f"{name} cannot be declared in compiled_hooks yet: vLLM never forms it, and for a "
-            f"hook on it vlens computes that layer's attention in Python, which a compiled "
-            f"engine does not offer yet; use {EAGER} for hooks on attention scores, patterns "
-            f"and per-head results"
+    if isinstance(spec, DerivedSpec) and isinstance(spec.hookable, NoExplicitAttention):
+        raise NotImplementedError(f"{name} cannot carry hook functions: {spec.hookable.reason}")
+    if isinstance(spec, DerivedSpec) and not isinstance(spec.hookable, ExplicitStage):
+        raise ValueError(
+            f"{name} is computed from other names after the forward and cannot carry hook "
+            f"functions; declare and hook the names it is built from "
+            f"({', '.join(spec.sources)})"
         )
 
 
@@ -186,4 +223,18 @@ def _chosen(
         )
     if not callable(names) and not isinstance(names, str) and len(names) == 0:
         return []
+    if not callable(names):
+        names = [found for name in ([names] if isinstance(names, str) else names)
+                 for found in _matches(name, known)]
     return select_names(names, known, explain)
+
+
+def _matches(name: str, known: list[str]) -> list[str]:
+    """A declared name, or the names a glob pattern (``blocks.*.hook_resid_post``) matches."""
+    if not any(character in name for character in "*?["):
+        return [name]
+    found = fnmatch.filter(known, name)
+    if not found:
+        raise ValueError(f"the pattern {name!r} matches none of this model's hook names "
+                         f"(model.hook_names lists them)")
+    return found

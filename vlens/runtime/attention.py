@@ -30,8 +30,9 @@ writes every one of them.
 
 The stages a plan keeps are recorded as the hooks leave them and handed back as whole values
 (``RequestCapture.formed``), for the cache to hold instead of what it would rebuild from q and k.
-Needs one rank holding whole modules: tensor parallelism and compiled engines are refused
-(:func:`unsupported`).
+Needs one rank holding whole modules: tensor parallelism is refused (:func:`unsupported`). On a
+compiled engine the two hooks are the graph's ``call`` sites of the declared layers
+(:mod:`vlens.runtime.hook_sites`), which call them with the module call's tensors.
 """
 
 from __future__ import annotations
@@ -126,13 +127,18 @@ class AttentionSites:
         layout: Callable[[], list[RequestRows] | None],
         captures: dict[str, RequestCapture],
         contexts: dict[str, dict[str, Any]],
+        in_graph: bool = False,
     ) -> None:
         self.model = model
         self.layout = layout
         self.captures = captures
         self.contexts = contexts
+        #: whether a compiled graph calls the hooks (:meth:`fired_in_graph`, from its ``call``
+        #: sites), rather than torch hooks on the modules
+        self.in_graph = in_graph
         #: (tag, module path, role) → the request's state at that layer, under each hook it needs
         self.layers: dict[tuple[str, str, Role], LayerAttention] = {}
+        #: (module path, role) → the hook (a torch hook's handle, or in the graph the function)
         self.handles: dict[tuple[str, Role], Any] = {}
         self.weights: dict[tuple[str, torch.dtype, torch.device], tuple[Tensor, Tensor]] = {}
 
@@ -148,8 +154,23 @@ class AttentionSites:
         for key in self._needed() - self.handles.keys():
             path, role = key
             fired = self._kernel_fired(path) if role == "kernel" else self._projection_fired(path)
-            module = find_module(self.model, path)
-            self.handles[key] = module.register_forward_hook(fired, with_kwargs=True, prepend=True)
+            if self.in_graph:
+                self.handles[key] = fired
+            else:
+                module = find_module(self.model, path)
+                self.handles[key] = module.register_forward_hook(fired, with_kwargs=True,
+                                                                 prepend=True)
+
+    def paths(self) -> set[str]:
+        """The modules where some request needs attention computed."""
+        return {path for path, _ in self.handles}
+
+    def fired_in_graph(self, path: str, args: tuple, kwargs: dict, output: Any) -> None:
+        """A compiled graph's ``call`` site at ``path`` ran: the hook of that module."""
+        for role in ("kernel", "projection"):
+            fired = self.handles.get((path, role))
+            if fired is not None:
+                fired(None, args, kwargs, output)
 
     def finish(self, tags: list[str], device: str) -> dict[str, dict[str, Tensor]]:
         """What these requests kept, by tag and name; their state is dropped, and the hooks that
@@ -167,7 +188,9 @@ class AttentionSites:
             needed = self._needed()
             for key in list(self.handles):
                 if key not in needed:
-                    self.handles.pop(key).remove()
+                    handle = self.handles.pop(key)
+                    if not self.in_graph:
+                        handle.remove()
         return formed
 
     def _needed(self) -> set[tuple[str, Role]]:
@@ -313,21 +336,16 @@ def _guarded(batch: list[Attended], run: Stage, calls: list[NarrowedCall]) -> No
             capture.error = message
 
 
-def unsupported(tensor_parallel: bool, compiled: bool) -> str | None:
+def unsupported(tensor_parallel: bool) -> str | None:
     """Why attention cannot be computed explicitly on this worker, if it cannot: it needs whole
-    modules on one rank, in an eager forward. (The user's side refuses such hooks when they are
-    added; this is the worker's own guard, reported as the request's error, since a worker that
-    raised here would leave vLLM's other ranks' answers unread.)"""
+    modules on one rank. (The user's side refuses such hooks when they are added; this is the
+    worker's own guard, reported as the request's error, since a worker that raised here would
+    leave vLLM's other ranks' answers unread.)"""
     if tensor_parallel:
         return (
             "hooks on attention scores, patterns and per-head results are not yet available "
             "under tensor parallelism: vlens computes those layers' attention in the worker from "
             "whole q, k, v and W_O, and each rank holds only its own heads; use "
             "tensor_parallel_size=1, or hook hook_rot_q / hook_rot_k / hook_v / hook_z"
-        )
-    if compiled:
-        return (
-            "hooks on attention scores, patterns and per-head results need an eager engine: a "
-            "compiled engine's forward is a traced graph that runs no Python hook"
         )
     return None

@@ -60,7 +60,7 @@ class GraphName:
 
     name: str
     site: Site
-    read: Reader
+    read: Reader | None  # None: a ``call`` site, where a layer's attention is computed
     trailing: tuple[int, ...]
     capture: bool
     steer: bool
@@ -201,7 +201,8 @@ class GraphSites:
         #: first at a site (the traced capture and steering see what the hook functions left)
         self.hook_sites = {
             site: install_hook_site(model, site, self._hook_site_handler(site))
-            for site in dict.fromkeys(g.site for g in names if g.hook)
+            for site in sorted(dict.fromkeys(g.site for g in names if g.hook),
+                               key=lambda site: site.event != "call")  # attention's first
         }
         by_site: dict[Site, list[GraphName]] = defaultdict(list)
         for graph_name in names:

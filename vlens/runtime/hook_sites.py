@@ -81,6 +81,27 @@ _library.impl(OP.split("::")[1], hook_site, "CompositeExplicitAutograd")
 torch.library.register_fake(OP, _no_output, lib=_library)
 
 
+def call_site(read: list[Tensor], written: list[Tensor], layout: list[int], keywords: str,
+              site: int) -> None:
+    """:func:`hook_site` for a site given a module call's arguments too (a ``call`` site): the
+    arguments are only read there (vLLM's q, k and v are views of one tensor, which the
+    compiler does not take as mutated inputs of one op), the output may be written."""
+    hook_site([*read, *written], layout, keywords, site)
+
+
+def _no_call_output(read: list[Tensor], written: list[Tensor], layout: list[int], keywords: str,
+                    site: int) -> None:
+    return None
+
+
+#: The op of ``call`` sites, beside :data:`OP` among the splitting ops.
+CALL_OP = f"{OP.split('::')[0]}::call_site"
+_library.define("call_site(Tensor[] read, Tensor(a!)[] written, int[] layout, str keywords, "
+                "int site) -> ()")
+_library.impl("call_site", call_site, "CompositeExplicitAutograd")
+torch.library.register_fake(CALL_OP, _no_call_output, lib=_library)
+
+
 def activate(numbers: Iterable[int], active: bool) -> None:
     """Let the op run (``active``) or skip the handlers of these sites."""
     if active:
@@ -99,6 +120,8 @@ def install_hook_site(model: nn.Module, site: Site, handler: Handler) -> int:
 
     if site.event == "input":
         module.register_forward_pre_hook(OpCall(number, False), with_kwargs=True)
+    elif site.event == "call":
+        module.register_forward_hook(CallOpCall(number), with_kwargs=True)
     else:
         module.register_forward_hook(OpCall(number, True), with_kwargs=True)
     return number
@@ -120,6 +143,26 @@ class OpCall:
             torch.ops.vlens.hook_site(*flattened((), {}, output), self.number)
         else:
             torch.ops.vlens.hook_site(*flattened(args, kwargs, None), self.number)
+
+
+class CallOpCall:
+    """The torch hook at a ``call`` site: one call of :data:`CALL_OP` with the call's arguments
+    (read) and its output's tensors (written)."""
+
+    def __init__(self, number: int) -> None:
+        self.number = number
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        tensors, layout, keywords = flattened(args, kwargs, output)
+        outputs = flattened((), {}, output)[0]
+        written = [any(tensor is out for out in outputs) for tensor in tensors]
+        # the read tensors first, then the written ones; the layout's slots follow them
+        order = [i for i in range(len(tensors)) if not written[i]]
+        order += [i for i in range(len(tensors)) if written[i]]
+        slots = [-1 if slot < 0 else order.index(slot) for slot in layout[3:]]
+        read = [tensors[i] for i in order if not written[i]]
+        torch.ops.vlens.call_site(read, [tensors[i] for i in order if written[i]],
+                                  [*layout[:3], *slots], keywords, self.number)
 
 
 def flattened(args: tuple, kwargs: dict, output: Any) -> tuple[list[Tensor], list[int], str]:

@@ -10,14 +10,15 @@ from typing import Any, Literal, Protocol
 
 import torch
 
-Event = Literal["input", "output", "sampled"]
+Event = Literal["input", "output", "call", "sampled"]
 
 
 @dataclass(frozen=True)
 class Site:
     """A place in vLLM's module tree: the call's arguments (``input``) or its result (``output``)
-    in the forward, or the result of a module called once per step to sample (``sampled``: one
-    row per request that samples a token)."""
+    in the forward, both (``call``: where a compiled graph computes a layer's attention in
+    Python), or the result of a module called once per step to sample (``sampled``: one row per
+    request that samples a token)."""
 
     path: str
     event: Event

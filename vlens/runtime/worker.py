@@ -98,7 +98,8 @@ class WorkerRuntime:
         self.probe: ModuleProbe | None = None
         # layers whose attention is computed here, for hooks on scores, patterns and results
         self.attention = AttentionSites(
-            self.model, lambda: self.layout, self.captures, self.contexts
+            self.model, lambda: self.layout, self.captures, self.contexts,
+            in_graph=graph is not None,
         )
         parallel = TensorParallel.of_this_worker()
         self.parallel = parallel if parallel.size > 1 else None
@@ -121,7 +122,7 @@ class WorkerRuntime:
 
     def prepare(self, requests: dict[str, RequestPlan]) -> None:
         """Follow these requests (by tag) and install the sites their plans need."""
-        refusal = unsupported(self.parallel is not None, self.graph is not None)
+        refusal = unsupported(self.parallel is not None)
         for tag, plan in requests.items():
             self.wanted[tag] = plan
             self.captures[tag] = RequestCapture()
@@ -132,8 +133,9 @@ class WorkerRuntime:
                     else None
                 )
                 self.graph.prepare(tag, plan.graph_keep, plan.steering, slot)
-            if plan.attention and refusal is not None:
-                self.captures[tag].error = refusal  # raised after the call; its hooks never run
+            refused = refusal or self._undeclared_attention(plan)
+            if plan.attention and refused is not None:
+                self.captures[tag].error = refused  # raised after the call; its hooks never run
             else:
                 self.attention.prepare(tag, plan.index, plan.call_size, plan.attention)
         self.batched |= batched_sites(requests)
@@ -189,10 +191,28 @@ class WorkerRuntime:
             return
         needed = {site for plan in self.wanted.values() for site in plan.sites}
         needed |= self.splices.keys()
+        needed |= {Site(path, "call") for path in self.attention.paths()}
         for site, number in self.graph_hook_sites.items():
             hook_sites.activate((number,), site in needed)
 
+    def _undeclared_attention(self, plan: RequestPlan) -> str | None:
+        """On a compiled engine, why a plan's attention cannot be computed: a layer whose
+        sites were not declared (the user's side refuses such hooks before they get here)."""
+        if self.graph is None:
+            return None
+        for layer in plan.attention:
+            paths = [layer.attention.kernel] if layer.forms_pattern else []
+            paths += [layer.attention.projection] if layer.forms_results else []
+            for path in paths:
+                if Site(path, "call") not in self.graph_hook_sites:
+                    return (f"{next(iter(layer.names.values()))}: this compiled engine computes "
+                            f"no attention at {path}; declare the name in compiled_hooks")
+        return None
+
     def _graph_hook_site_fired(self, site: Site, args: tuple, kwargs: dict, output: Any) -> None:
+        if site.event == "call":
+            self.attention.fired_in_graph(site.path, args, kwargs, output)
+            return
         if site not in self._fired_in_graph:
             self._fired_in_graph[site] = self._site_fired(site)
         self._fired_in_graph[site](args, kwargs, output)
