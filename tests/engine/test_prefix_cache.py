@@ -13,6 +13,7 @@ from vlens.engine.prefix_cache import cache_use, fingerprint
 from vlens.runtime.locations import Site
 from vlens.runtime.messages import NamePlan, RequestPlan
 from vlens.runtime.readers import OutputOf
+from vlens.runtime.steering import as_hook_function
 
 BLOCK = 128  # vLLM's CPU block size: a prefix shorter than one block is never cached
 
@@ -94,8 +95,12 @@ def test_a_hooked_request_neither_reads_nor_leaves_blocks(cached, uncached):
     torch.testing.assert_close(again, reference, rtol=1e-5, atol=1e-5)
 
 
-def test_steered_tokens_equal_those_without_the_cache(hooked, uncached):
-    compiled = hooked("llama", compiled_capture=CAPTURED, compiled_steering=STEERED)
+@pytest.mark.parametrize("tier", ["compiled", "eager"])
+def test_steered_tokens_equal_those_without_the_cache(hooked, uncached, tier):
+    """Steers as data in the graph, or as the hook functions an eager engine makes of them:
+    either way the requests steered alike share cached blocks."""
+    compiled = (hooked("llama", compiled_capture=CAPTURED, compiled_steering=STEERED)
+                if tier == "compiled" else hooked("llama"))
     name = "blocks.1.hook_resid_post"
     vector = torch.randn(compiled.cfg.d_model, generator=torch.Generator().manual_seed(9)) * 4
     prompts = [prompt(10, 12, SHARED), prompt(11, 20, SHARED), prompt(12, 8)]
@@ -135,6 +140,10 @@ def test_the_rules():
     steered = cache_use(plan(steering=(Steer("x", add=vector),)))
     assert steered.read and steered.salt == cache_use(plan(steering=(Steer("x", add=vector),))).salt
     assert not cache_use(plan(keep=True, steering=(Steer("x", add=vector),))).read
+    as_hook = as_hook_function(Steer("x", add=vector), 8)  # an eager engine's steer
+    eager = cache_use(plan(hooks=(as_hook,)))
+    assert eager.read and eager.salt == steered.salt
+    assert not cache_use(plan(hooks=(as_hook, print))).read
 
 
 @pytest.mark.parametrize(

@@ -382,7 +382,8 @@ metric_list:
 """
 
 
-def lm_eval_log_likelihoods(server: str, model: str, tasks: Path) -> tuple[object, list]:
+def lm_eval_log_likelihoods(server: str, model: str, tasks: Path,
+                            task: str = "vlens_tiny_choice") -> tuple[object, list]:
     """lm-eval's local-completions against the server: the model object (its tokenization) and
     each (context, continuation) it scored with the log-likelihood it got."""
     from lm_eval import simple_evaluate
@@ -394,11 +395,11 @@ def lm_eval_log_likelihoods(server: str, model: str, tasks: Path) -> tuple[objec
         tokenizer_backend="huggingface", max_length=256, num_concurrent=1,
     )
     results = simple_evaluate(
-        model=lm, tasks=["vlens_tiny_choice"], task_manager=TaskManager(include_path=str(tasks)),
+        model=lm, tasks=[task], task_manager=TaskManager(include_path=str(tasks)),
         log_samples=True,
     )
     scored = []
-    for sample in results["samples"]["vlens_tiny_choice"]:
+    for sample in results["samples"][task]:
         for (context, continuation), response in zip(sample["arguments"], sample["resps"]):
             scored.append((context, continuation, float(response[0][0])))
     return lm, scored
@@ -425,6 +426,43 @@ def test_lm_eval_scores_the_steered_model_as_vlens_computes_it(server, hooked, u
             assert log_likelihood == pytest.approx(expected, abs=1e-4), (context, continuation)
         totals[served_name] = sum(score for *_, score in scored)
     assert abs(totals["steered"] - totals[MODEL]) > 1e-2  # the steered model scores differently
+
+
+def prefix_cache_hits(server: str) -> float:
+    """The server's count of prompt tokens read from vLLM's prefix cache so far."""
+    with urllib.request.urlopen(server.removesuffix("/v1") + "/metrics", timeout=30) as answer:
+        text = answer.read().decode()
+    counts = [float(line.split()[-1]) for line in text.splitlines()
+              if line.startswith("vllm:prefix_cache_hits_total")]
+    assert counts, "the server exposes no vllm:prefix_cache_hits_total"
+    return sum(counts)
+
+
+def test_lm_eval_with_a_shared_prefix_scores_as_without_the_cache(server, hooked, up, tmp_path,
+                                                                   monkeypatch):
+    """A task whose every context starts with one long description (more than a KV block),
+    scored by the steered model, whose requests may share cached blocks: lm-eval's requests ask
+    for prompt logprobs, for which vLLM reads no cached block (it would have no logprobs for
+    those positions), and vlens keeps it so; the scores are what an engine without a prefix
+    cache computes."""
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    description = "The quick brown fox jumps over the lazy dog. " * 6  # ~140 tokens
+    task = TASK.format(items=HERE / "items.jsonl").replace("vlens_tiny_choice", "vlens_shared")
+    (tmp_path / "task.yaml").write_text(f'{task}description: "{description}"\n')
+    before = prefix_cache_hits(server)
+    lm, scored = lm_eval_log_likelihoods(server, "steered", tmp_path, task="vlens_shared")
+    assert len(scored) == 10 and prefix_cache_hits(server) == before
+    uncached = hooked("llama", enable_prefix_caching=False)
+    steering = [Steer(STEERED, add=up, scale=6.0)]
+    for context, continuation, log_likelihood in scored:
+        context_tokens, continuation_tokens = lm._encode_pair(context, continuation)
+        tokens = torch.tensor(context_tokens + continuation_tokens)
+        logits = uncached.run_with_cache(tokens, names_filter=[], steering=steering)[0][0]
+        log_probs = logits.float().log_softmax(-1)
+        expected = sum(float(log_probs[i - 1, tokens[i]])
+                       for i in range(len(context_tokens), len(tokens)))
+        assert log_likelihood == pytest.approx(expected, abs=1e-4), (context, continuation)
 
 
 # ---- the graph tier ---------------------------------------------------------------------------

@@ -151,7 +151,8 @@ class Engine:
             own = copy.copy(params)
             own.extra_args = {**(params.extra_args or {}), TAG_KEY: tag}
             use = cache_use(plan)
-            own.skip_reading_prefix_cache = not use.read
+            # vLLM's own reason not to read the cache (prompt logprobs) stands
+            own.skip_reading_prefix_cache = bool(own.skip_reading_prefix_cache) or not use.read
             request_params.append(own)
             salted = {} if use.salt is None else {"cache_salt": use.salt}
             inputs.append(TokensPrompt(prompt_token_ids=prompt, **salted))

@@ -13,7 +13,8 @@ keys and values no plain request may reuse, nor it theirs. So, per request (its
   request computes;
 - hook functions (which may change anything): it computes every position, under a salt of its
   own (vLLM's ``cache_salt``), so that no other request reuses its blocks;
-- steers traced into a compiled graph, as data: it shares blocks with the requests steered
+- steers (traced into a compiled graph as data, or on an eager engine the hook functions vlens
+  makes of them, which compute nothing else): it shares blocks with the requests steered
   identically (a salt from the steers' fingerprint: names, vectors, scales, positions), and
   computes every position as well if it also reads names.
 """
@@ -44,13 +45,18 @@ class CacheUse:
 
 def cache_use(plan: RequestPlan) -> CacheUse:
     """The prefix-cache use of the request planned by ``plan`` (see the module's docstring)."""
-    hooked = any(name.hooks for names in plan.sites.values() for name in names) or any(
+    functions = [function for names in plan.sites.values() for name in names
+                 for function in name.hooks]
+    hooked = any(not isinstance(getattr(f, "steer", None), Steer) for f in functions) or any(
         any(functions for functions in attention.hooks.values()) for attention in plan.attention
     )
     if hooked:
         return CacheUse(read=False, salt=f"vlens-own-{next(_own_salts)}-{id(plan)}")
-    reads = bool(plan.graph_keep) or any(plan.sites.values()) or bool(plan.attention)
-    salt = f"vlens-steer-{fingerprint(plan.steering)}" if plan.steering else None
+    reads = bool(plan.graph_keep) or bool(plan.attention) or any(
+        name.keep for names in plan.sites.values() for name in names
+    )
+    steers = (*plan.steering, *(function.steer for function in functions))
+    salt = f"vlens-steer-{fingerprint(steers)}" if steers else None
     return CacheUse(read=not reads, salt=salt)
 
 

@@ -105,7 +105,9 @@ def steered(
 
 
 def as_hook_function(steer: Steer, width: int):
-    """``steer`` as an eager hook function (for engines without a compiled graph)."""
+    """``steer`` as an eager hook function (for engines without a compiled graph); the function
+    keeps it as its ``steer`` (requests steered alike share the prefix cache,
+    :mod:`vlens.engine.prefix_cache`)."""
     add, gain, ablate = steer.terms(width)
 
     def apply_steer(value: Tensor, hook: Any) -> None:
@@ -117,6 +119,7 @@ def as_hook_function(steer: Steer, width: int):
         return None
 
     apply_steer.__qualname__ = f"Steer({steer.name!r})"
+    apply_steer.steer = steer  # type: ignore[attr-defined]
     return apply_steer
 
 

@@ -248,8 +248,11 @@ def sample_key(request_id: str, index: int, count: int) -> str:
 
 def with_cache_use(prompt: Any, sampling_params: Any, use: CacheUse) -> Any:
     """``prompt`` and ``sampling_params`` set to use the prefix cache as ``use`` says
-    (:mod:`vlens.engine.prefix_cache`); a client's own ``cache_salt`` is kept, and combined."""
-    sampling_params.skip_reading_prefix_cache = not use.read
+    (:mod:`vlens.engine.prefix_cache`); a client's own ``cache_salt`` is kept, and combined. A
+    request vLLM already keeps from reading the cache (prompt logprobs) stays so."""
+    sampling_params.skip_reading_prefix_cache = (
+        bool(sampling_params.skip_reading_prefix_cache) or not use.read
+    )
     if use.salt is None:
         return prompt
     if not isinstance(prompt, dict):
