@@ -22,7 +22,7 @@ import torch
 
 from vlens.engine.hf_classes import classes_left_as_they_were
 from vlens.engine.interrupts import WorkerWaits
-from vlens.engine.prefix_cache import cache_use
+from vlens.engine.prefix_cache import cache_use, skips_reading
 from vlens.engine.process_groups import ensure_expert_group
 from vlens.engine.support import engine_args, hook_site_compilation
 from vlens.runtime import host_blocks, shared_tensors
@@ -151,8 +151,7 @@ class Engine:
             own = copy.copy(params)
             own.extra_args = {**(params.extra_args or {}), TAG_KEY: tag}
             use = cache_use(plan)
-            # vLLM's own reason not to read the cache (prompt logprobs) stands
-            own.skip_reading_prefix_cache = bool(own.skip_reading_prefix_cache) or not use.read
+            own.skip_reading_prefix_cache = skips_reading(own, use)
             request_params.append(own)
             salted = {} if use.salt is None else {"cache_salt": use.salt}
             inputs.append(TokensPrompt(prompt_token_ids=prompt, **salted))

@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -48,7 +49,7 @@ def cache_use(plan: RequestPlan) -> CacheUse:
     functions = [function for names in plan.sites.values() for name in names
                  for function in name.hooks]
     hooked = any(not isinstance(getattr(f, "steer", None), Steer) for f in functions) or any(
-        any(functions for functions in attention.hooks.values()) for attention in plan.attention
+        any(stage for stage in attention.hooks.values()) for attention in plan.attention
     )
     if hooked:
         return CacheUse(read=False, salt=f"vlens-own-{next(_own_salts)}-{id(plan)}")
@@ -58,6 +59,12 @@ def cache_use(plan: RequestPlan) -> CacheUse:
     steers = (*plan.steering, *(function.steer for function in functions))
     salt = f"vlens-steer-{fingerprint(steers)}" if steers else None
     return CacheUse(read=not reads, salt=salt)
+
+
+def skips_reading(params: Any, use: CacheUse) -> bool:
+    """``skip_reading_prefix_cache`` for a request of ``params`` used as ``use`` says: vLLM's
+    own reason not to read the cache (prompt logprobs, set on ``params``) stands."""
+    return bool(params.skip_reading_prefix_cache) or not use.read
 
 
 def fingerprint(steers: tuple[Steer, ...]) -> str:

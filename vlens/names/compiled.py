@@ -126,8 +126,7 @@ def explicit_attention(specs: dict[str, Spec], hooked: set[str]) -> dict[Site, s
     for name in sorted(hooked):
         spec = specs[name]
         if isinstance(spec, DerivedSpec) and isinstance(spec.hookable, ExplicitStage):
-            attention, stage = spec.hookable.attention, spec.hookable.stage
-            path = attention.projection if stage == "result" else attention.kernel
+            path = spec.hookable.attention.module_of(spec.hookable.stage)
             sites.setdefault(Site(path, "call"), name)
     return sites
 

@@ -115,6 +115,11 @@ class ExplicitAttention:
                 f"{self.heads} query heads cannot share {self.kv_heads} key/value heads evenly"
             )
 
+    def module_of(self, stage: AttentionStage) -> str:
+        """The module after which ``stage`` is formed: the kernel (scores, pattern), or the
+        output projection (per-head results)."""
+        return self.projection if stage == "result" else self.kernel
+
     @property
     def value_width(self) -> int:
         return self.d_head if self.d_head_v is None else self.d_head_v

@@ -201,9 +201,7 @@ class WorkerRuntime:
         if self.graph is None:
             return None
         for layer in plan.attention:
-            paths = [layer.attention.kernel] if layer.forms_pattern else []
-            paths += [layer.attention.projection] if layer.forms_results else []
-            for path in paths:
+            for path in {layer.attention.module_of(stage) for stage, on in layer.hooks.items() if on}:
                 if Site(path, "call") not in self.graph_hook_sites:
                     return (f"{next(iter(layer.names.values()))}: this compiled engine computes "
                             f"no attention at {path}; declare the name in compiled_hooks")

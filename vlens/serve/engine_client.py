@@ -24,7 +24,7 @@ from torch import Tensor
 from vllm.sampling_params import RequestOutputKind
 
 from vlens.engine.link import WorkerCall
-from vlens.engine.prefix_cache import CacheUse, cache_use
+from vlens.engine.prefix_cache import CacheUse, cache_use, skips_reading
 from vlens.runtime.messages import TAG_KEY, Handback
 from vlens.serve.model import Planned, ServedModel
 from vlens.serve.store import ActivationStore
@@ -250,9 +250,7 @@ def with_cache_use(prompt: Any, sampling_params: Any, use: CacheUse) -> Any:
     """``prompt`` and ``sampling_params`` set to use the prefix cache as ``use`` says
     (:mod:`vlens.engine.prefix_cache`); a client's own ``cache_salt`` is kept, and combined. A
     request vLLM already keeps from reading the cache (prompt logprobs) stays so."""
-    sampling_params.skip_reading_prefix_cache = (
-        bool(sampling_params.skip_reading_prefix_cache) or not use.read
-    )
+    sampling_params.skip_reading_prefix_cache = skips_reading(sampling_params, use)
     if use.salt is None:
         return prompt
     if not isinstance(prompt, dict):
