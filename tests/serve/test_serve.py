@@ -19,13 +19,16 @@ import torch
 from safetensors.torch import load, save_file
 
 from vlens import Steer
+from vlens.sae import SAE
 from vlens.serve.process import free_port, server_process
+from vlens.testing.saes import random_sae
 from vlens.testing.tiny import tiny_model
 
 HERE = Path(__file__).parent / "data"
 KEY = "vlens-test-key"
 STORE_BYTES = 64 * 1024
 STEERED = "blocks.1.hook_resid_post"
+SAE_AT = "blocks.0.hook_resid_post"
 
 
 @pytest.fixture(scope="module")
@@ -477,6 +480,8 @@ def compiled_server(tmp_path_factory, engine_args):
         "--port", str(port), "--dtype", "float32", "--max-model-len", "256",
         "--kv-cache-memory-bytes", str(engine_args["kv_cache_memory_bytes"]),
         "--compiled-steering", STEERED, "--compiled-capture", "blocks.0.hook_resid_post",
+        "--sae", f"std={random_sae(folder / 'sae', d_in=128, d_sae=48, hook_name=SAE_AT, seed=5)}",
+        "--sae-top-k", "4", "--sae-slots", "6",
     ]
     with server_process(command, port, folder / "server.log") as base:
         yield base
@@ -502,6 +507,48 @@ def test_a_compiled_server_steers_and_captures_in_its_graph(compiled_server, hoo
     for fields, message in (
         ({"steering": [{"name": "blocks.0.hook_resid_post", "gain": 2.0}]}, "compiled_steering"),
         ({"capture": ["blocks.1.hook_resid_post"]}, "compiled"),
+    ):
+        with pytest.raises(openai.BadRequestError, match=message):
+            complete(client, prompt, fields)
+
+
+def test_a_compiled_server_edits_sae_features_and_captures_the_top_k(
+    compiled_server, hooked, tmp_path
+):
+    """``--sae``: a request's feature clamp equals the eager engine's spliced SAE with a hook
+    clamping the feature; the top-k features come back as captures."""
+    client = openai.OpenAI(base_url=compiled_server, api_key="none", max_retries=0, timeout=120)
+    model = hooked("llama")
+    sae = SAE.load_from_disk(random_sae(tmp_path / "sae", d_in=128, d_sae=48, hook_name=SAE_AT,
+                                        seed=5))
+    prompt = prompt_of(8)
+    top_k = [f"{SAE_AT}.hook_sae_acts_post.top_k_values", f"{SAE_AT}.hook_sae_acts_post.top_k_indices"]
+    fields = {"steering": [{"sae": "std", "features": [7], "clamp": 30.0, "positions": [3, None]}],
+              "capture": [SAE_AT, *top_k]}
+    response = complete(client, prompt, fields)
+
+    def clamp(acts: torch.Tensor, hook) -> None:
+        acts[..., 7] = torch.where(hook.positions >= 3, 30.0, acts[..., 7])
+
+    with model.saes(saes=[sae], use_error_term=True):
+        expected = model.generate(prompt, max_new_tokens=8, do_sample=False, stop_at_eos=False,
+                                  return_type="tokens",
+                                  fwd_hooks=[(f"{SAE_AT}.hook_sae_acts_post", clamp)])
+    assert prompt + new_tokens(response) == expected[0]
+    assert new_tokens(response) != new_tokens(complete(client, prompt)), "the clamp did nothing"
+    values = load(fetch(compiled_server, response.model_extra["vlens"]["activations"]))
+    # before position 3 the SAE's features of the activation; from it on (where the activation
+    # holds the edit) feature 7 clamped, first
+    top = sae.encode(values[SAE_AT][:3]).topk(4, dim=-1)
+    torch.testing.assert_close(values[top_k[0]][:3], top.values, rtol=1e-5, atol=1e-5)
+    assert torch.equal(values[top_k[1]][:3].long(), top.indices)
+    assert torch.all(values[top_k[1]][3:, 0] == 7) and torch.all(values[top_k[0]][3:, 0] == 30.0)
+    for fields, message in (
+        ({"steering": [{"sae": "nope", "features": [1], "clamp": 1.0}]}, "no SAE of that name"),
+        ({"steering": [{"sae": "std", "features": list(range(7)), "clamp": 1.0}]},
+         "compiled_sae_slots=7"),
+        ({"steering": [{"sae": "std", "features": [1], "clamp": 1.0, "scale": 2.0}]}, "no scale"),
+        ({"steering": [{"sae": "std", "features": ["a"], "clamp": 1.0}]}, "feature indices"),
     ):
         with pytest.raises(openai.BadRequestError, match=message):
             complete(client, prompt, fields)
@@ -543,7 +590,7 @@ def test_steering_fields_read_into_steers():
 def test_vector_fields_that_are_not_arrays_of_numbers_are_refused(vector):
     from vlens.serve.fields import BadVlensField, read_fields
 
-    with pytest.raises(BadVlensField, match=r"vlens.runtime.steering\[0\].add must be a non-empty array"):
+    with pytest.raises(BadVlensField, match=r"vlens.steering\[0\].add must be a non-empty array"):
         read_fields({"steering": [{"name": "a", "add": vector}]}, {})
 
 

@@ -28,7 +28,7 @@ from vlens.names.mapping import (
     per_sample,
 )
 from vlens.runtime.messages import AttentionPlan, HookFunction, NamePlan, RequestPlan
-from vlens.runtime.steering import Steer, as_hook_function, steers_by_name
+from vlens.runtime.steering import AnySteer, SAESteer, Steer, as_hook_function, steers_by_name
 
 HooksByName = dict[str, tuple[HookFunction, ...]]
 
@@ -68,7 +68,7 @@ class Planner:
         self,
         kept: Sequence[str],
         hooks: Sequence[HooksByName],
-        steers: Sequence[tuple[Steer, ...]],
+        steers: Sequence[tuple[AnySteer, ...]],
         shared: HooksByName,
     ) -> list[RequestPlan]:
         """One call's plans, one per prompt (``hooks[i]``, ``steers[i]``): :meth:`plan` with the
@@ -82,7 +82,7 @@ class Planner:
         index: int,
         kept: Sequence[str],
         hooks: HooksByName,
-        steers: tuple[Steer, ...] = (),
+        steers: tuple[AnySteer, ...] = (),
         call_size: int = 1,
         shared: HooksByName | None = None,
     ) -> RequestPlan:
@@ -100,10 +100,13 @@ class Planner:
             graph_keep = frozenset()
             traced_steering = frozenset()
         for steer in steers:  # those the graph does not apply run as hook functions
-            if steer.name not in traced_steering:
+            if isinstance(steer, Steer) and steer.name not in traced_steering:
                 function = as_hook_function(steer, self.width(steer.name))
                 hooks = {**hooks, steer.name: (*hooks.get(steer.name, ()), function)}
-        steers = tuple(steer for steer in steers if steer.name in traced_steering)
+        steers = tuple(
+            steer for steer in steers
+            if isinstance(steer, SAESteer) or steer.name in traced_steering
+        )
         common = shared_names(hooks, shared or {})
         sites: dict[Site, list[NamePlan]] = {}
         for name, spec in self.specs.items():
@@ -153,10 +156,10 @@ class Planner:
 
     def steering(
         self,
-        steering: Sequence[Steer],
-        prompt_steering: Sequence[Sequence[Steer]] | None,
+        steering: Sequence[AnySteer],
+        prompt_steering: Sequence[Sequence[AnySteer]] | None,
         n_prompts: int,
-    ) -> list[tuple[Steer, ...]]:
+    ) -> list[tuple[AnySteer, ...]]:
         """Each prompt's steers, by canonical name, checked against this engine."""
         if prompt_steering is not None and len(prompt_steering) != n_prompts:
             raise ValueError(
@@ -167,7 +170,26 @@ class Planner:
             own = list(steering) + list(prompt_steering[index] if prompt_steering else ())
             resolved = [self._resolved_steer(steer) for steer in own]
             per_prompt.append(tuple(steers_by_name(resolved, f"prompt {index}").values()))
+        self._check_sae_slots(per_prompt)
         return per_prompt
+
+    def _check_sae_slots(self, per_prompt: list[tuple[AnySteer, ...]]) -> None:
+        """A call's prompts edit at most a compiled SAE's slots of distinct features (its
+        requests are all followed at once)."""
+        features: dict[str, set[int]] = {}
+        for steers in per_prompt:
+            for steer in steers:
+                if isinstance(steer, SAESteer):
+                    features.setdefault(steer.sae, set()).update(map(int, steer.features))
+        for name, chosen in features.items():
+            assert self.compiled is not None
+            slots = self.compiled.saes[name].slots
+            if len(chosen) > slots:
+                raise ValueError(
+                    f"this call's prompts edit {len(chosen)} distinct features of SAE {name!r}; "
+                    f"the engine was loaded with room for {slots} at once: load it with "
+                    f"compiled_sae_slots={len(chosen)} or more, or split the call"
+                )
 
     def width(self, name: str) -> int:
         """The number of elements of one position's value of ``name``."""
@@ -177,9 +199,11 @@ class Planner:
             self._widths[name] = math.prod(per_position_shape(spec, self.config))
         return self._widths[name]
 
-    def _resolved_steer(self, steer: Steer) -> Steer:
+    def _resolved_steer(self, steer: AnySteer) -> AnySteer:
+        if isinstance(steer, SAESteer):
+            return self._checked_sae_steer(steer)
         if not isinstance(steer, Steer):
-            raise TypeError(f"steering takes Steer values, got {type(steer).__name__}")
+            raise TypeError(f"steering takes Steer and SAESteer values, got {type(steer).__name__}")
         name = self.registry.names(steer.name)[0]
         compiled = self.compiled
         if compiled is not None and name not in compiled.steering | compiled.hooks:
@@ -192,6 +216,24 @@ class Planner:
         resolved = dataclasses.replace(steer, name=name)
         resolved.terms(self.width(name))  # sizes checked here, before any request runs
         return resolved
+
+    def _checked_sae_steer(self, steer: SAESteer) -> SAESteer:
+        saes = self.compiled.saes if self.compiled is not None else {}
+        if steer.sae not in saes:
+            raise ValueError(
+                f"SAESteer({steer.sae!r}): this engine has no SAE of that name in its graph "
+                f"(compiled_saes: {sorted(saes) or 'none'}). Declare it when loading "
+                f"(HookedVLLM.from_pretrained(path, compiled_saes={{{steer.sae!r}: sae}})), or "
+                f"on an eager engine splice the SAE in with add_sae(sae, use_error_term=True) "
+                f"and edit its features with a hook on hook_sae_acts_post"
+            )
+        d_sae = saes[steer.sae].sae.cfg.d_sae
+        wrong = [int(f) for f in steer.features if not 0 <= int(f) < d_sae]
+        if wrong:
+            raise ValueError(
+                f"SAESteer({steer.sae!r}): features {wrong} are not among the SAE's {d_sae}"
+            )
+        return steer
 
     # ---- a compiled engine's rules -------------------------------------------------------------
 

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from vlens.runtime.messages import RequestPlan
-from vlens.runtime.steering import Steer
+from vlens.runtime.steering import AnySteer, SAESteer, Steer
 
 _own_salts = itertools.count()
 
@@ -67,14 +67,19 @@ def skips_reading(params: Any, use: CacheUse) -> bool:
     return bool(params.skip_reading_prefix_cache) or not use.read
 
 
-def fingerprint(steers: tuple[Steer, ...]) -> str:
+def fingerprint(steers: tuple[AnySteer, ...]) -> str:
     """A digest of everything that decides what ``steers`` compute: equal for equal steering."""
     digest = hashlib.sha256()
-    for steer in sorted(steers, key=lambda steer: steer.name):
-        digest.update(steer.name.encode())
-        for term in (steer.add, steer.ablate, steer.gain):
-            digest.update(_bytes(term))
-        digest.update(repr((steer.scale, _positions(steer))).encode())
+    for steer in sorted(steers, key=lambda steer: steer.target):
+        digest.update(steer.target.encode())
+        if isinstance(steer, SAESteer):
+            features = [int(feature) for feature in steer.features]
+            digest.update(repr((features, steer.multipliers_and_offsets())).encode())
+        else:
+            for term in (steer.add, steer.ablate, steer.gain):
+                digest.update(_bytes(term))
+            digest.update(repr(steer.scale).encode())
+        digest.update(repr(_positions(steer)).encode())
     return digest.hexdigest()[:32]
 
 
@@ -87,7 +92,7 @@ def _bytes(term: Tensor | float | None) -> bytes:
     return repr(float(term)).encode()
 
 
-def _positions(steer: Steer) -> object:
+def _positions(steer: AnySteer) -> object:
     positions = steer.positions
     if isinstance(positions, slice):
         return ("slice", positions.start, positions.stop, positions.step)

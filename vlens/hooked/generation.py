@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from vlens.hooked.hook_registry import FwdHooks
 from vlens.hooked.tokens import Input, is_texts
-from vlens.runtime.steering import Steer
+from vlens.runtime.steering import AnySteer
 
 GenerateReturnType = Literal["input", "str", "tokens", "result"]
 GENERATE_RETURN_TYPES: tuple[GenerateReturnType, ...] = ("input", "str", "tokens", "result")
@@ -56,8 +56,8 @@ class GenerateMethods:
         seed: int | None = None,
         fwd_hooks: FwdHooks = (),
         prompt_hooks: Sequence[FwdHooks] | None = None,
-        steering: Sequence[Steer] = (),
-        prompt_steering: Sequence[Sequence[Steer]] | None = None,
+        steering: Sequence[AnySteer] = (),
+        prompt_steering: Sequence[Sequence[AnySteer]] | None = None,
     ) -> str | list[str] | list[list[int]] | list[Generation]:
         """Continue each prompt by up to ``max_new_tokens`` tokens, with hooks applied at prefill
         and at every decode step; TransformerLens's arguments and return types.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -42,14 +43,15 @@ from vlens.hooked.tokens import Input, TokenMethods, prepare_tokenizer
 from vlens.hooked.views import ModelViews
 from vlens.mappings import mapping_for
 from vlens.names.checkpoint import CheckpointWeights
-from vlens.names.compiled import CompiledNames, declare
+from vlens.names.compiled import CompiledNames, declare, declare_saes
 from vlens.names.derived import SampledTokens
 from vlens.names.mapping import ArchitectureMapping, DerivedSpec, HookSpec, Site, Spec
 from vlens.names.raw import RawLocations, SourceListing
 from vlens.names.resolve import NamesFilter, select_names
 from vlens.runtime.messages import HookFunction
 from vlens.runtime.readers import OutputOf
-from vlens.runtime.steering import Steer
+from vlens.runtime.steering import AnySteer
+from vlens.sae.autoencoder import SAE
 
 #: Engine-level names, the same for every architecture, one row per sampled token: each step's
 #: logits for the token a request samples next, as the sampler receives them (editable: a hook
@@ -82,7 +84,7 @@ class HookedVLLM(TokenMethods, GenerateMethods, ModelViews, ModuleSurface, SAEMe
         self.weights = CheckpointWeights(path)
         self.hf_config = config
         self.compiled = compiled
-        self.hook_specs: dict[str, Spec] = all_specs(mapping, config)
+        self.hook_specs: dict[str, Spec] = all_specs(mapping, config, compiled)
         self.canonical_names = list(self.hook_specs)
         self.tokenizer = prepare_tokenizer(tokenizer, default_padding_side)
         self.cfg = ModelConfig.from_hf(
@@ -117,6 +119,9 @@ class HookedVLLM(TokenMethods, GenerateMethods, ModelViews, ModuleSurface, SAEMe
         compiled_hooks: NamesFilter | Sequence[str] = (),
         default_prepend_bos: bool | None = None,
         default_padding_side: Literal["left", "right"] | None = None,
+        compiled_saes: dict[str, SAE | str | Path] | None = None,
+        compiled_sae_slots: int = 1024,
+        compiled_sae_top_k: int | None = None,
         **engine_kwargs: Any,
     ) -> HookedVLLM:
         """Load a local HuggingFace checkpoint into vLLM; ``engine_kwargs`` go to ``vllm.LLM``
@@ -135,9 +140,17 @@ class HookedVLLM(TokenMethods, GenerateMethods, ModelViews, ModuleSurface, SAEMe
         data instead of hook functions. ``compiled_hooks`` (names or name filters) declares the
         names where TransformerLens hook functions run inside the compiled graph, with the eager
         engine's semantics; each can also be read and steered there.
+
+        ``compiled_saes`` (a name for each SAE -> the SAE, or the folder SAELens saved it in)
+        puts SAEs into the graph: :class:`~vlens.runtime.steering.SAESteer` values edit their
+        features per request (at most ``compiled_sae_slots`` distinct features of one SAE among
+        a call's or a server's requests at once), and with ``compiled_sae_top_k`` each SAE's
+        ``top_k`` largest features per position are names to read
+        (``{hook_name}.hook_sae_acts_post.top_k_values`` and ``.top_k_indices``).
         """
         model = checkpoint_of(
-            path, compiled_capture, compiled_steering, engine_kwargs, compiled_hooks
+            path, compiled_capture, compiled_steering, engine_kwargs, compiled_hooks,
+            compiled_saes, compiled_sae_slots, compiled_sae_top_k,
         )
         graph_names = model.compiled.graph_names if model.compiled else ()
         engine_kwargs = {**model_impl_args(model.mapping), **engine_kwargs}
@@ -294,8 +307,8 @@ class HookedVLLM(TokenMethods, GenerateMethods, ModelViews, ModuleSurface, SAEMe
         remove_batch_dim: bool = False,
         return_cache_object: bool = True,
         max_new_tokens: int = 0,
-        steering: Sequence[Steer] = (),
-        prompt_steering: Sequence[Sequence[Steer]] | None = None,
+        steering: Sequence[AnySteer] = (),
+        prompt_steering: Sequence[Sequence[AnySteer]] | None = None,
         prompt_hooks: Sequence[FwdHooks] | None = None,
         device: str | torch.device | None = None,
         incl_bwd: bool = False,
@@ -419,22 +432,45 @@ def checkpoint_of(
     compiled_steering: NamesFilter | Sequence[str],
     engine_kwargs: dict[str, Any],
     compiled_hooks: NamesFilter | Sequence[str] = (),
+    compiled_saes: dict[str, SAE | str | Path] | None = None,
+    compiled_sae_slots: int = 1024,
+    compiled_sae_top_k: int | None = None,
 ) -> Checkpoint:
     """A checkpoint's config and mapping, refused before any engine starts where vlens cannot
     serve it with these engine arguments, and its compiled names declared (None: eager)."""
     config = AutoConfig.from_pretrained(path)
     mapping = mapping_for(config)
-    wants_graph = bool(compiled_capture or compiled_steering or compiled_hooks)
+    wants_graph = bool(compiled_capture or compiled_steering or compiled_hooks or compiled_saes)
     check_loadable(mapping, config.architectures[0], engine_kwargs, wants_graph)
+    if compiled_sae_top_k is not None and not compiled_saes:
+        raise ValueError("compiled_sae_top_k without compiled_saes: declare the SAEs it reads")
     compiled = None
     if wants_graph:
         specs = all_specs(mapping, config)
         compiled = declare(
             specs, config, compiled_capture, compiled_steering, mapping.unavailable, compiled_hooks
         )
+        if compiled_saes:
+            saes = declare_saes(compiled_saes, specs, config, compiled_sae_slots,
+                                compiled_sae_top_k, mapping.unavailable)
+            compiled = compiled.with_saes(saes, specs, config)
     return Checkpoint(config, mapping, compiled, AutoTokenizer.from_pretrained(path))
 
 
-def all_specs(mapping: ArchitectureMapping, config: PretrainedConfig) -> dict[str, Spec]:
-    """Every name of a model: its architecture's, then the sampler's."""
-    return {**mapping.expanded(config), **SAMPLER_NAMES}
+def all_specs(
+    mapping: ArchitectureMapping, config: PretrainedConfig, compiled: CompiledNames | None = None
+) -> dict[str, Spec]:
+    """Every name of a model: its architecture's (each compiled SAE's top-k names after the
+    name it reads), then the sampler's."""
+    specs = mapping.expanded(config)
+    for compiled_sae in (compiled.saes.values() if compiled is not None else ()):
+        hook = specs[compiled_sae.hook]
+        assert isinstance(hook, HookSpec)
+        added = {
+            name: dataclasses.replace(hook, shape=f"pos {compiled_sae.top_k}", arrange=None)
+            for name in compiled_sae.captured_names
+        }
+        order = list(specs.items())
+        at = list(specs).index(compiled_sae.hook) + 1
+        specs = dict(order[:at] + list(added.items()) + order[at:])
+    return {**specs, **SAMPLER_NAMES}

@@ -21,10 +21,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from vlens.names.compiled import per_position_shape
+from vlens.names.compiled import sae_hook_name
 from vlens.names.mapping import HookSpec, Site
-from vlens.names.resolve import canonical
-from vlens.runtime.readers import OutputOf, writable
+from vlens.runtime.readers import OutputOf
 from vlens.runtime.splices import stage_path
 from vlens.sae.autoencoder import HOOK_NAMES, SAE
 
@@ -172,37 +171,14 @@ class SAEMethods:
 
     def _sae_name(self: HookedVLLM, sae: SAE) -> str:
         """The canonical name ``sae`` reads, checked to be one it can replace on this model."""
-        hook_name = sae.cfg.hook_name
-        if not hook_name:
-            raise ValueError(
-                "the SAE names no hook_name (its cfg.json has none, at the top or in metadata): "
-                "SAELens records the name it was trained on there"
-            )
-        name = canonical(hook_name, self.hook_specs, explain=self.explain)
+        name = sae_hook_name(sae, self.hook_specs, self.hf_config, self.explain)
         if self.compiled is not None and name not in self.compiled.hooks:
             raise ValueError(
                 f"an SAE at {name} on this compiled engine: an SAE runs in Python, and the "
                 f"compiled graph calls into Python only at the names declared in compiled_hooks "
                 f"when it was loaded; load it with compiled_hooks=[{name!r}] (or without "
-                f"compiled_* arguments: vLLM's eager engine)"
-            )
-        spec = self.hook_specs[name]
-        if not isinstance(spec, HookSpec) or not writable(spec.read):
-            raise ValueError(
-                f"{name} is computed from the model's tensors, not one of them: an SAE's output "
-                f"cannot replace it. Use an SAE trained on a name the model computes on "
-                f"(hook_resid_pre/mid/post, hook_mlp_out, hook_attn_out, attn.hook_z, ...)"
-            )
-        width = per_position_shape(spec, self.hf_config)
-        d_in = 1
-        for size in width:
-            d_in *= size
-        if d_in != sae.cfg.d_in or (sae.cfg.reshape_activations == "hook_z") != (len(width) == 2):
-            raise ValueError(
-                f"the SAE reads {name} with d_in={sae.cfg.d_in}"
-                f"{' (hook_z: heads × d_head)' if sae.cfg.reshape_activations == 'hook_z' else ''}"
-                f", but this model's {name} has {list(width)} per position: an SAE trained on "
-                f"another model, or on another name"
+                f"compiled_* arguments: vLLM's eager engine), or declare it in compiled_saes "
+                f"to edit its features as data (SAESteer)"
             )
         return name
 

@@ -14,10 +14,13 @@ Everything else is refused with the eager alternative named.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
+import torch
 from transformers import PretrainedConfig
 
 from vlens.engine.support import EAGER
@@ -30,10 +33,12 @@ from vlens.names.mapping import (
     attention_dimensions,
     site_sources,
 )
-from vlens.names.resolve import Explain, NamesFilter, select_names
+from vlens.names.resolve import Explain, NamesFilter, canonical, select_names
 from vlens.runtime.graph import GraphName
 from vlens.runtime.locations import Site
 from vlens.runtime.readers import LogitsOf, writable
+from vlens.runtime.sae_graph import CompiledSAE
+from vlens.sae.autoencoder import SAE
 
 #: The logits: traced into every compiled graph as the final norm's rows (one ``d_model`` row
 #: per position; the vocabulary-wide logits are computed after the step, for rows kept only), so
@@ -51,6 +56,34 @@ class CompiledNames:
     graph_names: tuple[GraphName, ...]
     traced: frozenset[str] = frozenset()
     hooks: frozenset[str] = frozenset()
+    #: the SAEs whose features the graph edits and captures, by the name steers call them
+    saes: dict[str, CompiledSAE] = dataclasses.field(default_factory=dict)
+
+    def with_saes(self, saes: Sequence[CompiledSAE], specs: dict[str, Spec],
+                  config: PretrainedConfig) -> CompiledNames:
+        """These names and ``saes``' (each a steering target and its top-k names)."""
+        graph_names = list(self.graph_names)
+        captured = set()
+        for compiled in saes:
+            spec = specs[compiled.hook]
+            assert isinstance(spec, HookSpec)
+            graph_names.append(GraphName(
+                compiled.target, spec.site, spec.read, (compiled.slots,), capture=False,
+                steer=True, sae=compiled,
+            ))
+            for name, dtype in zip(compiled.captured_names, (None, torch.int32)):
+                graph_names.append(GraphName(
+                    name, spec.site, spec.read, (compiled.top_k,), capture=True, steer=False,
+                    sae=compiled, dtype=dtype,
+                ))
+                captured.add(name)
+        return dataclasses.replace(
+            self,
+            capture=self.capture | captured,
+            traced=self.traced | captured,
+            graph_names=tuple(graph_names),
+            saes={compiled.name: compiled for compiled in saes},
+        )
 
 
 def declare(
@@ -237,3 +270,72 @@ def _matches(name: str, known: list[str]) -> list[str]:
         raise ValueError(f"the pattern {name!r} matches none of this model's hook names "
                          f"(model.hook_names lists them)")
     return found
+
+
+def declare_saes(
+    saes: dict[str, SAE | str | Path],
+    specs: dict[str, Spec],
+    config: PretrainedConfig,
+    slots: int,
+    top_k: int | None,
+    explain: Explain | None = None,
+) -> list[CompiledSAE]:
+    """``compiled_saes`` (name -> an SAE, or the folder SAELens saved it in), checked against
+    the model: one SAE per name it reads."""
+    if slots < 1:
+        raise ValueError(f"compiled_sae_slots={slots}: at least one feature must fit")
+    declared: dict[str, CompiledSAE] = {}
+    for name, sae in saes.items():
+        if not isinstance(name, str) or not name or ":" in name:
+            raise ValueError(f"compiled_saes: {name!r} is not a usable SAE name (a string "
+                             f"without ':')")
+        if isinstance(sae, (str, Path)):
+            sae = SAE.load_from_disk(sae)
+        if not isinstance(sae, SAE):
+            raise TypeError(
+                f"compiled_saes[{name!r}] is a {type(sae).__name__}: give a vlens.sae.SAE or "
+                f"the folder SAELens saved it in"
+            )
+        if top_k is not None and not 1 <= top_k <= sae.cfg.d_sae:
+            raise ValueError(f"compiled_sae_top_k={top_k}: between 1 and the SAE's d_sae "
+                             f"({sae.cfg.d_sae})")
+        hook = sae_hook_name(sae, specs, config, explain)
+        other = next((d for d in declared.values() if d.hook == hook), None)
+        if other is not None:
+            raise ValueError(f"compiled_saes: {other.name!r} and {name!r} both read {hook}; "
+                             f"declare one SAE per name")
+        declared[name] = CompiledSAE(name, hook, sae, slots, top_k)
+    return list(declared.values())
+
+
+def sae_hook_name(
+    sae: SAE, specs: dict[str, Spec], config: PretrainedConfig, explain: Explain | None
+) -> str:
+    """The canonical name ``sae`` reads, checked to be one whose value it can replace on this
+    model (a position-major tensor of the model, of the SAE's ``d_in``)."""
+    hook_name = sae.cfg.hook_name
+    if not hook_name:
+        raise ValueError(
+            "the SAE names no hook_name (its cfg.json has none, at the top or in metadata): "
+            "SAELens records the name it was trained on there"
+        )
+    name = canonical(hook_name, specs, explain=explain)
+    spec = specs[name]
+    if not isinstance(spec, HookSpec) or not writable(spec.read):
+        raise ValueError(
+            f"{name} is computed from the model's tensors, not one of them: an SAE's output "
+            f"cannot replace it. Use an SAE trained on a name the model computes on "
+            f"(hook_resid_pre/mid/post, hook_mlp_out, hook_attn_out, attn.hook_z, ...)"
+        )
+    width = per_position_shape(spec, config)
+    d_in = 1
+    for size in width:
+        d_in *= size
+    hook_z = sae.cfg.reshape_activations == "hook_z"
+    if d_in != sae.cfg.d_in or hook_z != (len(width) == 2):
+        raise ValueError(
+            f"the SAE reads {name} with d_in={sae.cfg.d_in}"
+            f"{' (hook_z: heads × d_head)' if hook_z else ''}, but this model's {name} has "
+            f"{list(width)} per position: an SAE trained on another model, or on another name"
+        )
+    return name

@@ -13,7 +13,9 @@ and before vLLM's first (compiling) forward:
   rows are never read;
 - a steered name applies ``(v − (v·û)û) ⊙ gain + add`` with one row of ``add``/``gain``/``û``
   per token row, from buffers the runtime fills before each step from the steered requests'
-  rows. Every other row holds the neutral terms (0, 1, 0), which leave it bit for bit.
+  rows. Every other row holds the neutral terms (0, 1, 0), which leave it bit for bit;
+- a compiled SAE edits features and captures its top-k features the same way, with its own
+  per-row terms (:mod:`vlens.runtime.sae_graph`).
 
 Python in the forward is the traced hook only: no per-request work happens inside the graph.
 Under tensor parallelism every rank traces the same hooks (:mod:`vlens.runtime.graph_worker`
@@ -40,8 +42,9 @@ from vlens.runtime.locations import Site
 from vlens.runtime.messages import PaddedRows
 from vlens.runtime.patches import apply_cpu_patches
 from vlens.runtime.readers import LogitsOf, Reader
+from vlens.runtime.sae_graph import CompiledSAE, SAEStage, top_k_of
 from vlens.runtime.sites import NarrowedCall, install_site
-from vlens.runtime.steering import Steer, steered
+from vlens.runtime.steering import AnySteer, SAESteer, steered
 from vlens.runtime.step_store import (
     Segment,
     StepStore,
@@ -66,6 +69,11 @@ class GraphName:
     steer: bool
     #: Python hook functions may run at the name's site (:mod:`vlens.runtime.hook_sites`)
     hook: bool = False
+    #: the compiled SAE whose feature edits (``steer``; the name is :attr:`CompiledSAE.target`)
+    #: or top-k features (``capture``) this is, computed from ``read``'s value
+    sae: CompiledSAE | None = None
+    #: the captured rows' dtype (None: the engine's)
+    dtype: torch.dtype | None = None
 
     @property
     def width(self) -> int:
@@ -78,16 +86,20 @@ class GraphName:
         return self.read.source if isinstance(self.read, LogitsOf) else self.read
 
 
-Terms = tuple[Tensor, Tensor, Tensor]  # add, gain, ablate
+Terms = tuple[Tensor, ...]  # a Steer's add, gain, ablate; an SAESteer's multiplier, offset
+
+#: the terms that change nothing: a Steer's, an SAESteer's
+STEER_NEUTRAL = (0.0, 1.0, 0.0)
+SAE_NEUTRAL = (1.0, 0.0)
 
 
 @dataclass
 class SteeringBuffers:
-    """Per-row steering terms of one name, ``[max_tokens, width]`` each, neutral by default."""
+    """Per-row steering terms of one name (or compiled SAE), ``[max_tokens, width]`` each,
+    neutral by default."""
 
-    add: Tensor
-    gain: Tensor
-    ablate: Tensor
+    terms: tuple[Tensor, ...]
+    neutral: tuple[float, ...]
     #: what the last step's rows hold: their rows, which terms each took, and from which
     #: table (reset before a step that needs other terms)
     placed: tuple[np.ndarray, np.ndarray, Terms] | None = None
@@ -98,10 +110,17 @@ class SteeringBuffers:
 
     @classmethod
     def allocate(
-        cls, rows: int, width: int, device: torch.device, dtype: torch.dtype
+        cls,
+        rows: int,
+        width: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        neutral: tuple[float, ...] = STEER_NEUTRAL,
     ) -> SteeringBuffers:
-        zeros = torch.zeros(rows, width, device=device, dtype=dtype)
-        return cls(zeros, torch.ones_like(zeros), torch.zeros_like(zeros))
+        terms = tuple(
+            torch.full((rows, width), value, device=device, dtype=dtype) for value in neutral
+        )
+        return cls(terms, neutral)
 
     def holds(self, rows: np.ndarray, sources: np.ndarray, terms: Terms | None) -> bool:
         """Whether the rows already hold these terms (a decode step steering the same requests
@@ -117,14 +136,13 @@ class SteeringBuffers:
 
     def reset(self) -> None:
         if self.dirty is not None:
-            self.add.index_fill_(0, self.dirty, 0.0)
-            self.gain.index_fill_(0, self.dirty, 1.0)
-            self.ablate.index_fill_(0, self.dirty, 0.0)
+            for buffer, value in zip(self.terms, self.neutral):
+                buffer.index_fill_(0, self.dirty, value)
         self.dirty = self.placed = self.placed_for = None
 
     def set_rows(self, rows: Tensor, terms: Terms, sources: Tensor) -> None:
         """Row ``rows[i]`` gets the terms of table entry ``sources[i]``."""
-        for buffer, table in zip((self.add, self.gain, self.ablate), terms):
+        for buffer, table in zip(self.terms, terms):
             buffer.index_copy_(0, rows, table.index_select(0, sources))
         self.dirty = rows
 
@@ -135,9 +153,10 @@ class CallState:
 
     #: tag -> the names it keeps
     kept_names: dict[str, frozenset[str]] = field(default_factory=dict)
-    #: tag -> name -> (its entry in that name's table, the steer)
-    steering: dict[str, dict[str, tuple[int, Steer]]] = field(default_factory=dict)
-    #: name -> every steer's (add, gain, ablate) terms; ``stacked``: the same on the device
+    #: tag -> target -> (its entry in that target's table, the steer)
+    steering: dict[str, dict[str, tuple[int, AnySteer]]] = field(default_factory=dict)
+    #: target (a name, or a compiled SAE's) -> every steer's terms; ``stacked``: the same on
+    #: the device
     tables: dict[str, list[Terms]] = field(default_factory=lambda: defaultdict(list))
     stacked: dict[str, Terms] = field(default_factory=dict)
     store: StepStore = field(default_factory=StepStore)
@@ -174,6 +193,10 @@ class GraphSites:
     ) -> None:
         self.model = model
         self.names = {graph_name.name: graph_name for graph_name in names}
+        #: the compiled SAEs, by the name steers call them
+        self.saes = {
+            g.sae.name: SAEStage(g.sae, device) for g in names if g.sae is not None and g.steer
+        }
         self.device = device
         parallel = TensorParallel.of_this_worker()
         #: under tensor parallelism: values split over ranks are gathered inside the graph (a
@@ -188,12 +211,15 @@ class GraphSites:
         #: the ranks that one rank left unused would lose its gather to the compiler there, and
         #: the ranks' collectives would no longer match
         self.captured = {
-            g.name: torch.zeros(max_tokens, *g.trailing, device=device, dtype=dtype)
+            g.name: torch.zeros(max_tokens, *g.trailing, device=device, dtype=g.dtype or dtype)
             for g in names
             if g.capture
         }
         self.steering = {
-            g.name: SteeringBuffers.allocate(max_tokens, g.width, device, dtype)
+            # an SAE's terms in fp32: a clamp value keeps its digits in a bf16 engine
+            g.name: SteeringBuffers.allocate(max_tokens, g.width, device, torch.float32, SAE_NEUTRAL)
+            if g.sae is not None
+            else SteeringBuffers.allocate(max_tokens, g.width, device, dtype, STEER_NEUTRAL)
             for g in names
             if g.steer
         }
@@ -206,10 +232,15 @@ class GraphSites:
         }
         by_site: dict[Site, list[GraphName]] = defaultdict(list)
         for graph_name in names:
-            if graph_name.capture or graph_name.steer:
+            if (graph_name.capture or graph_name.steer) and graph_name.sae is None:
                 by_site[graph_name.site].append(graph_name)
-        for site, at_site in by_site.items():
-            install_site(model, site, self._traced_hook(tuple(at_site)))
+        saes_by_site: dict[Site, list[GraphName]] = defaultdict(list)
+        for graph_name in names:
+            if graph_name.sae is not None and graph_name.steer:
+                saes_by_site[graph_name.site].append(graph_name)
+        for site in dict.fromkeys([*by_site, *saes_by_site]):
+            hook = self._traced_hook(tuple(by_site[site]), tuple(saes_by_site[site]))
+            install_site(model, site, hook)
         #: what runs at a hook site (the worker runtime's handler of a fired site); set by the
         #: worker runtime, which exists once the engine is running
         self.run_hook_site: Callable[[Site, tuple, dict, Any], None] | None = None
@@ -231,7 +262,10 @@ class GraphSites:
 
         return handle
 
-    def _traced_hook(self, at_site: tuple[GraphName, ...]):
+    def _traced_hook(self, at_site: tuple[GraphName, ...], saes: tuple[GraphName, ...]):
+        """At one site: the steers, then the SAEs' feature edits, then the captures (which see
+        the value the model computes on)."""
+
         def on_call(args: tuple, kwargs: dict, output: Any) -> None:
             call = NarrowedCall(self.model, None, args, kwargs, output, self.parallel)
             for graph_name in at_site:
@@ -244,20 +278,38 @@ class GraphSites:
                         f"{graph_name.trailing}; read it on an eager engine"
                     )
                 if graph_name.steer:
-                    terms = self.steering[graph_name.name]
-                    flat = value.reshape(rows, -1)
-                    new = steered(flat, terms.add[:rows], terms.gain[:rows], terms.ablate[:rows])
-                    value = new.to(value.dtype).reshape(value.shape)
-                    graph_name.read.write(call, value)
+                    add, gain, ablate = (t[:rows] for t in self.steering[graph_name.name].terms)
+                    new = steered(value.reshape(rows, -1), add, gain, ablate)
+                    graph_name.read.write(call, new.to(value.dtype).reshape(value.shape))
+            for graph_name in saes:
+                self._run_sae(call, graph_name)
+            for graph_name in at_site:
                 if graph_name.capture:
-                    self.captured[graph_name.name][:rows].copy_(value)
+                    value = graph_name.traced_read(call)
+                    self.captured[graph_name.name][: value.shape[0]].copy_(value)
 
         return on_call
+
+    def _run_sae(self, call: NarrowedCall, graph_name: GraphName) -> None:
+        """A compiled SAE's feature edits written back, its top-k features captured."""
+        compiled = graph_name.sae
+        assert compiled is not None
+        value = graph_name.read(call)
+        rows = value.shape[0]
+        multiplier, offset = (t[:rows] for t in self.steering[graph_name.name].terms)
+        new, every = self.saes[compiled.name](value, multiplier, offset)
+        graph_name.read.write(call, new)
+        if compiled.top_k is not None:
+            assert every is not None
+            values, indices = top_k_of(every, compiled.top_k)
+            names = compiled.captured_names
+            self.captured[names[0]][:rows].copy_(values)
+            self.captured[names[1]][:rows].copy_(indices)
 
     # ---- around each step (called by the worker runtime) -------------------------------------
 
     def prepare(
-        self, tag: str, keep: frozenset[str], steers: Sequence[Steer], slot: Slot | None = None
+        self, tag: str, keep: frozenset[str], steers: Sequence[AnySteer], slot: Slot | None = None
     ) -> None:
         """Follow request ``tag``: the names it keeps and its steering terms; with a ``slot``
         (its place in its call, which keeps its cache on the host), its kept rows go to the host
@@ -273,13 +325,16 @@ class GraphSites:
         elif self.call.stream is not None:
             raise RuntimeError(f"request {tag} has no slot, the call's others had one")
         own = {}
-        for steer in steers:
-            entries = self.call.tables[steer.name]
-            width = self.names[steer.name].width
-            own[steer.name] = (len(entries), steer)
-            entries.append(steer.terms(width))
-            self.call.stacked.pop(steer.name, None)
         self.call.steering[tag] = own
+        for steer in steers:
+            entries = self.call.tables[steer.target]
+            if isinstance(steer, SAESteer):
+                terms = self.saes[steer.sae].terms(tag, steer)
+            else:
+                terms = steer.terms(self.names[steer.name].width)
+            own[steer.target] = (len(entries), steer)
+            entries.append(terms)
+            self.call.stacked.pop(steer.target, None)
 
     def before_step(self, layout: StepRows | None) -> None:
         """Put the steered requests' terms on their rows of this step; every other row neutral.
@@ -375,12 +430,13 @@ class GraphSites:
                 if steer.positions is not None
             )
             logits: list[str] = []
-            by_shape: dict[tuple[int, ...], list[str]] = defaultdict(list)
+            by_shape: dict[tuple, list[str]] = defaultdict(list)
             for name in sorted(kept & self.captured.keys()):
                 if isinstance(self.names[name].read, LogitsOf):
                     logits.append(name)
                 elif name in self.handed_back_here:
-                    by_shape[self.names[name].trailing].append(name)
+                    graph_name = self.names[name]
+                    by_shape[(graph_name.trailing, graph_name.dtype)].append(name)
             shapes = tuple(tuple(names) for names in by_shape.values())
             self._asked_for = (self.revision, Asked(kept, positional, tuple(logits), shapes))
         return self._asked_for[1]
@@ -417,6 +473,8 @@ class GraphSites:
             for tag in tags:
                 self.call.kept_names.pop(tag, None)
                 self.call.steering.pop(tag, None)
+                for stage in self.saes.values():
+                    stage.release(tag)
             if not self.call.kept_names:
                 if self.call.stream is not None:
                     self.call.stream.end_call()
@@ -442,12 +500,11 @@ class GraphSites:
     def _stacked(self, name: str) -> Terms:
         if name not in self.call.stacked:
             entries = self.call.tables[name]
-            dtype = self.steering[name].add.dtype
-            add, gain, ablate = (
-                torch.stack([entry[part] for entry in entries]).to(self.device, dtype)
-                for part in range(3)
+            buffers = self.steering[name].terms
+            self.call.stacked[name] = tuple(
+                torch.stack([entry[part] for entry in entries]).to(self.device, buffer.dtype)
+                for part, buffer in enumerate(buffers)
             )
-            self.call.stacked[name] = (add, gain, ablate)
         return self.call.stacked[name]
 
     def _index(self, values: np.ndarray) -> Tensor:

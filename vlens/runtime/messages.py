@@ -19,7 +19,7 @@ from torch import Tensor
 
 from vlens.runtime.locations import Site
 from vlens.runtime.readers import Reader
-from vlens.runtime.steering import Steer
+from vlens.runtime.steering import AnySteer
 
 if TYPE_CHECKING:
     from vlens.runtime.locations import AttentionStage, ExplicitAttention
@@ -81,7 +81,7 @@ class RequestPlan:
     index: int
     sites: dict[Site, tuple[NamePlan, ...]]
     graph_keep: frozenset[str] = field(default_factory=frozenset)
-    steering: tuple[Steer, ...] = ()
+    steering: tuple[AnySteer, ...] = ()
     attention: tuple[AttentionPlan, ...] = ()
     call_size: int = 1
     #: the most positions the request runs (its prompt and every new token but the last), where

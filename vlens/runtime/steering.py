@@ -4,6 +4,10 @@ A :class:`Steer` says, for one name, ``v ↦ (v − (v·û)û) ⊙ gain + scale�
 chosen positions (every term optional). The same value works in both of vlens's tiers: on a
 compiled engine it becomes rows of per-step buffers that the traced graph reads (no Python runs
 in the forward); on an eager engine it becomes an ordinary hook function.
+
+An :class:`SAESteer` edits chosen features of an SAE declared with ``compiled_saes``
+(:mod:`vlens.runtime.sae_graph`): ``f ↦ f·scale + add`` (or ``clamp``), written back into the
+activation as ``x + (f' − f)·W_dec``, SAELens's output with its error term.
 """
 
 from __future__ import annotations
@@ -40,31 +44,17 @@ class Steer:
     def __post_init__(self) -> None:
         if self.add is None and self.ablate is None and self.gain is None:
             raise ValueError(f"Steer({self.name!r}) changes nothing: give add, ablate or gain")
-        if isinstance(self.positions, slice):
-            parts = (self.positions.start, self.positions.stop)
-            if any(part is not None and part < 0 for part in parts) or (self.positions.step or 1) < 1:
-                raise ValueError(
-                    f"Steer({self.name!r}): positions {self.positions} must count forward from "
-                    f"the first prompt token (a generation's length is not known in advance)"
-                )
-        elif self.positions is not None and any(int(p) < 0 for p in self.positions):
-            raise ValueError(
-                f"Steer({self.name!r}): negative positions are not supported (a generation's "
-                f"length is not known in advance); give absolute positions"
-            )
+        check_positions(self.positions, f"Steer({self.name!r})")
+
+    @property
+    def target(self) -> str:
+        """What the steer changes, as the worker's steering tables key it: the name."""
+        return self.name
 
     def offsets(self, first_position: int, count: int) -> Sequence[int]:
         """Which of ``count`` consecutive positions from ``first_position`` this steer changes,
         as offsets from ``first_position`` (plain Python: it runs for every request each step)."""
-        chosen, end = self.positions, first_position + count
-        if chosen is None:
-            return range(count)
-        if isinstance(chosen, slice):
-            start, step = chosen.start or 0, chosen.step or 1
-            stop = end if chosen.stop is None else min(chosen.stop, end)
-            begin = start + max(0, -(-(first_position - start) // step)) * step
-            return range(begin - first_position, max(begin, stop) - first_position, step)
-        return [p - first_position for p in sorted(set(map(int, chosen))) if first_position <= p < end]
+        return position_offsets(self.positions, first_position, count)
 
     def terms(self, width: int) -> tuple[Tensor, Tensor, Tensor]:
         """``(add, gain, ablate)`` as flat fp32 vectors of ``width`` (the name's per-position
@@ -95,6 +85,100 @@ class Steer:
         return flat
 
 
+def check_positions(positions: Positions, where: str) -> None:
+    """Positions count forward from the first prompt token: a generation's length is not known
+    in advance."""
+    if isinstance(positions, slice):
+        parts = (positions.start, positions.stop)
+        if any(part is not None and part < 0 for part in parts) or (positions.step or 1) < 1:
+            raise ValueError(
+                f"{where}: positions {positions} must count forward from the first prompt token "
+                f"(a generation's length is not known in advance)"
+            )
+    elif positions is not None and any(int(p) < 0 for p in positions):
+        raise ValueError(
+            f"{where}: negative positions are not supported (a generation's length is not "
+            f"known in advance); give absolute positions"
+        )
+
+
+def position_offsets(chosen: Positions, first_position: int, count: int) -> Sequence[int]:
+    """Which of ``count`` consecutive positions from ``first_position`` are ``chosen``, as
+    offsets from ``first_position`` (None: all)."""
+    end = first_position + count
+    if chosen is None:
+        return range(count)
+    if isinstance(chosen, slice):
+        start, step = chosen.start or 0, chosen.step or 1
+        stop = end if chosen.stop is None else min(chosen.stop, end)
+        begin = start + max(0, -(-(first_position - start) // step)) * step
+        return range(begin - first_position, max(begin, stop) - first_position, step)
+    return [p - first_position for p in sorted(set(map(int, chosen))) if first_position <= p < end]
+
+
+@dataclass(frozen=True, eq=False)
+class SAESteer:
+    """Edit ``features`` of the SAE declared as ``sae`` (``compiled_saes={sae: ...}``) at
+    ``positions``: ``f' = clamp``, or ``f' = f·scale + add`` (each a number for every feature,
+    or one per feature; ``clamp=0.0`` zeroes them). The activation at the SAE's name becomes
+    ``x + (f' − f)·W_dec``, the SAE's output with its error term: only the edit changes it, and
+    rows no steer edits stay bit for bit."""
+
+    sae: str
+    features: Sequence[int]
+    clamp: float | Sequence[float] | None = None
+    scale: float | Sequence[float] | None = None
+    add: float | Sequence[float] | None = None
+    positions: Positions = None
+
+    def __post_init__(self) -> None:
+        where = f"SAESteer({self.sae!r})"
+        features = [int(f) for f in self.features]
+        if not features or len(set(features)) != len(features):
+            raise ValueError(f"{where}: features must be a non-empty list of distinct indices")
+        if self.clamp is None and self.scale is None and self.add is None:
+            raise ValueError(f"{where} changes nothing: give clamp, or scale and/or add")
+        if self.clamp is not None and (self.scale is not None or self.add is not None):
+            raise ValueError(f"{where}: clamp sets the features; it takes no scale or add")
+        for field in ("clamp", "scale", "add"):
+            self._per_feature(field)
+        check_positions(self.positions, where)
+
+    @property
+    def target(self) -> str:
+        """The worker's steering tables key an SAE's feature edits by ``sae:{name}``."""
+        return f"sae:{self.sae}"
+
+    def offsets(self, first_position: int, count: int) -> Sequence[int]:
+        """As :meth:`Steer.offsets`."""
+        return position_offsets(self.positions, first_position, count)
+
+    def multipliers_and_offsets(self) -> tuple[list[float], list[float]]:
+        """``(m, a)`` per feature, with ``f' = f·m + a``."""
+        if self.clamp is not None:
+            return [0.0] * len(self.features), self._per_feature("clamp")
+        scale = self._per_feature("scale") if self.scale is not None else [1.0] * len(self.features)
+        add = self._per_feature("add") if self.add is not None else [0.0] * len(self.features)
+        return scale, add
+
+    def _per_feature(self, field: str) -> list[float]:
+        value = getattr(self, field)
+        if value is None:
+            return []
+        if isinstance(value, (int, float)):
+            return [float(value)] * len(self.features)
+        values = [float(v) for v in value]
+        if len(values) != len(self.features):
+            raise ValueError(
+                f"SAESteer({self.sae!r}).{field} has {len(values)} values for "
+                f"{len(self.features)} features: give one number, or one per feature"
+            )
+        return values
+
+
+AnySteer = Steer | SAESteer
+
+
 def steered(
     value: Float[Tensor, "... width"], add: Tensor, gain: Tensor, ablate: Tensor
 ) -> Float[Tensor, "... width"]:
@@ -123,16 +207,17 @@ def as_hook_function(steer: Steer, width: int):
     return apply_steer
 
 
-def steers_by_name(steers: Sequence[Steer], where: str) -> dict[str, Steer]:
-    """One steer per name for one request; two on the same name are refused (combine them)."""
-    by_name: dict[str, Steer] = {}
+def steers_by_name(steers: Sequence[AnySteer], where: str) -> dict[str, AnySteer]:
+    """One steer per name (or SAE) for one request; two on the same are refused (combine
+    them)."""
+    by_name: dict[str, AnySteer] = {}
     for steer in steers:
-        if not isinstance(steer, Steer):
-            raise TypeError(f"{where}: expected Steer values, got {type(steer).__name__}")
-        if steer.name in by_name:
+        if not isinstance(steer, (Steer, SAESteer)):
+            raise TypeError(f"{where}: expected Steer or SAESteer values, got {type(steer).__name__}")
+        if steer.target in by_name:
             raise ValueError(
-                f"{where}: two Steer values for {steer.name}; combine them into one (one add "
-                f"vector, one ablate direction, one gain per name and request)"
+                f"{where}: two steers of {steer.target}; combine them into one (one Steer per "
+                f"name, one SAESteer per SAE, with all its features, per request)"
             )
-        by_name[steer.name] = steer
+        by_name[steer.target] = steer
     return by_name

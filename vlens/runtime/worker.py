@@ -132,7 +132,11 @@ class WorkerRuntime:
                     if plan.positions
                     else None
                 )
-                self.graph.prepare(tag, plan.graph_keep, plan.steering, slot)
+                try:
+                    self.graph.prepare(tag, plan.graph_keep, plan.steering, slot)
+                except Exception:  # refused (an SAE's feature table is full): forget the call
+                    self.finish([t for t in requests if t in self.captures])
+                    raise
             refused = refusal or self._undeclared_attention(plan)
             if plan.attention and refused is not None:
                 self.captures[tag].error = refused  # raised after the call; its hooks never run

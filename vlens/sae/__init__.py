@@ -5,11 +5,13 @@
 standard, jumprelu, topk and gated architectures, and computes SAELens's ``encode``,
 ``decode``, ``forward`` and the values of its ``hook_sae_*`` hook points (``SAE.stages``).
 :func:`activation_batches` (:mod:`vlens.sae.batches`) streams shuffled activation batches from a
-live model, for SAELens's ``SAETrainer``.
+live model, for SAELens's ``SAETrainer``. :class:`SAESteer` edits features of an SAE in a compiled
+engine's graph (``compiled_saes``), as data.
 """
 
 from typing import Any
 
+from vlens.runtime.steering import SAESteer
 from vlens.sae.autoencoder import HOOK_NAMES, SAE
 from vlens.sae.config import ARCHITECTURES, NORMALIZATIONS, SAEConfig, SAEFormatError
 from vlens.sae.weights import read_log_sparsity
@@ -21,6 +23,7 @@ __all__ = [
     "SAE",
     "SAEConfig",
     "SAEFormatError",
+    "SAESteer",
     "activation_batches",
     "read_log_sparsity",
 ]

@@ -39,6 +39,15 @@ class Restore:
             return y * self.std + self.mean
         return y
 
+    def linear(self, change: Float[Tensor, "... d_in"]) -> Float[Tensor, "... d_in"]:
+        """What a change ``change`` of the reconstruction becomes after :meth:`__call__`: its
+        linear part only (a difference loses the mean)."""
+        if self.coeff is not None:
+            return change / self.coeff
+        if self.std is not None:
+            return change * self.std
+        return change
+
 
 UNCHANGED = Restore()
 

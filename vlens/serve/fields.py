@@ -17,11 +17,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from vlens.runtime.steering import Steer
+from vlens.runtime.steering import AnySteer, SAESteer, Steer
 
 #: The keys of the ``vlens`` object and of one of its steering entries.
 REQUEST_KEYS = frozenset({"steering", "capture"})
 STEER_KEYS = frozenset({"name", "add", "scale", "ablate", "gain", "positions"})
+SAE_STEER_KEYS = frozenset({"sae", "features", "clamp", "scale", "add", "positions"})
 
 
 class BadVlensField(ValueError):
@@ -33,7 +34,7 @@ class VlensFields:
     """What one request asks of vlens: steers (names as the client wrote them) and names to
     capture."""
 
-    steering: tuple[Steer, ...] = ()
+    steering: tuple[AnySteer, ...] = ()
     capture: tuple[str, ...] = ()
 
     @property
@@ -52,19 +53,21 @@ def read_fields(value: Any, vectors: Mapping[str, Tensor]) -> VlensFields:
         raise BadVlensField(f"vlens: unknown field(s) {unknown}; known: {sorted(REQUEST_KEYS)}")
     steering = value.get("steering", [])
     if not isinstance(steering, list):
-        raise BadVlensField(f"vlens.runtime.steering must be a list, got {_json_type(steering)}")
+        raise BadVlensField(f"vlens.steering must be a list, got {_json_type(steering)}")
     capture = value.get("capture", [])
     if not isinstance(capture, list) or not all(isinstance(name, str) for name in capture):
         raise BadVlensField("vlens.capture must be a list of hook names (strings)")
     steers = tuple(
-        _steer(entry, f"vlens.runtime.steering[{index}]", vectors) for index, entry in enumerate(steering)
+        _steer(entry, f"vlens.steering[{index}]", vectors) for index, entry in enumerate(steering)
     )
     return VlensFields(steers, tuple(capture))
 
 
-def _steer(entry: Any, where: str, vectors: Mapping[str, Tensor]) -> Steer:
+def _steer(entry: Any, where: str, vectors: Mapping[str, Tensor]) -> AnySteer:
     if not isinstance(entry, dict):
         raise BadVlensField(f"{where} must be an object, got {_json_type(entry)}")
+    if "sae" in entry:
+        return _sae_steer(entry, where)
     unknown = sorted(set(entry) - STEER_KEYS)
     if unknown:
         raise BadVlensField(f"{where}: unknown field(s) {unknown}; known: {sorted(STEER_KEYS)}")
@@ -85,6 +88,38 @@ def _steer(entry: Any, where: str, vectors: Mapping[str, Tensor]) -> Steer:
             positions=_positions(entry.get("positions"), f"{where}.positions"),
         )
     except (TypeError, ValueError) as error:
+        if isinstance(error, BadVlensField):
+            raise
+        raise BadVlensField(f"{where}: {error}") from None
+
+
+def _sae_steer(entry: dict, where: str) -> SAESteer:
+    """``{"sae": NAME, "features": [...], "clamp" | "scale" and/or "add": number or [...],
+    "positions": [start, stop]}``."""
+    unknown = sorted(set(entry) - SAE_STEER_KEYS)
+    if unknown:
+        raise BadVlensField(f"{where}: unknown field(s) {unknown}; an SAE's steer knows "
+                            f"{sorted(SAE_STEER_KEYS)}")
+    name = entry["sae"]
+    if not isinstance(name, str):
+        raise BadVlensField(f"{where}.sae must be the name of an SAE the server has (--sae)")
+    features = entry.get("features")
+    if not isinstance(features, list) or not all(
+        isinstance(f, int) and not isinstance(f, bool) for f in features
+    ):
+        raise BadVlensField(f"{where}.features must be an array of feature indices (integers)")
+    values = {}
+    for key in ("clamp", "scale", "add"):
+        value = entry.get(key)
+        if value is None:
+            continue
+        if not (_is_number(value) or (isinstance(value, list) and all(map(_is_number, value)))):
+            raise BadVlensField(f"{where}.{key} must be a finite number or an array of them")
+        values[key] = value
+    try:
+        return SAESteer(name, features, **values,
+                        positions=_positions(entry.get("positions"), f"{where}.positions"))
+    except ValueError as error:
         if isinstance(error, BadVlensField):
             raise
         raise BadVlensField(f"{where}: {error}") from None

@@ -52,8 +52,12 @@ class ServedModel:
         compiled_capture: Sequence[str] = (),
         compiled_steering: Sequence[str] = (),
         engine_args: dict[str, Any] | None = None,
+        saes: dict[str, Path] | None = None,
+        sae_slots: int = 1024,
+        sae_top_k: int | None = None,
     ) -> None:
-        model = checkpoint_of(path, compiled_capture, compiled_steering, engine_args or {})
+        model = checkpoint_of(path, compiled_capture, compiled_steering, engine_args or {},
+                              (), dict(saes or {}), sae_slots, sae_top_k)
         self.compiled: CompiledNames | None = model.compiled
         self.mapping = model.mapping
         ranks = int((engine_args or {}).get("tensor_parallel_size", 1))

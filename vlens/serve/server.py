@@ -57,6 +57,16 @@ def parser() -> argparse.ArgumentParser:
                        help="run vLLM's compiled graph with these names traced in, for capture")
     group.add_argument("--compiled-steering", nargs="+", default=[], metavar="NAME",
                        help="run vLLM's compiled graph with these names steerable")
+    group.add_argument("--sae", action="append", default=[], metavar="NAME=DIR",
+                       help="put the SAE that SAELens saved in DIR into vLLM's compiled graph as "
+                       "NAME: requests edit its features (steering entries with \"sae\": NAME) "
+                       "and, with --sae-top-k, capture its top-k features; repeatable")
+    group.add_argument("--sae-top-k", type=int, default=None, metavar="K",
+                       help="each --sae's K largest features per position are names to capture "
+                       "({hook_name}.hook_sae_acts_post.top_k_values and .top_k_indices)")
+    group.add_argument("--sae-slots", type=int, default=1024, metavar="N",
+                       help="distinct features of one SAE that the requests being served may "
+                       "edit at once (default: 1024)")
     serve.set_defaults(host="127.0.0.1")
     return serve
 
@@ -64,6 +74,19 @@ def parser() -> argparse.ArgumentParser:
 def explicit_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, Any]:
     """The options given on the command line (those whose value is not the parser's default)."""
     return {key: value for key, value in vars(args).items() if value != parser.get_default(key)}
+
+
+def read_saes(specs: list[str]) -> dict[str, Path]:
+    """``--sae NAME=DIR`` options, by name."""
+    saes: dict[str, Path] = {}
+    for spec in specs:
+        name, sep, folder = spec.partition("=")
+        if not sep or not name or not folder:
+            raise ValueError(f"--sae {spec!r}: give NAME=DIR (the folder SAELens saved the SAE in)")
+        if name in saes:
+            raise ValueError(f"--sae: {name!r} is given twice")
+        saes[name] = Path(folder)
+    return saes
 
 
 def read_vectors(path: Path | None) -> dict[str, Tensor]:
@@ -102,7 +125,7 @@ def main(argv: list[str]) -> int:
     args = options.parse_args(argv)
     if args.model_tag is not None:  # vLLM's positional MODEL
         args.model = args.model_tag
-    compiled = bool(args.compiled_capture or args.compiled_steering)
+    compiled = bool(args.compiled_capture or args.compiled_steering or args.sae)
     vllm.validate_parsed_serve_args(args)
     if (getattr(args, "api_server_count", None) or 1) > 1:
         raise SystemExit(
@@ -116,7 +139,9 @@ def main(argv: list[str]) -> int:
         )
     try:  # what the user can fix, said in one line before anything starts
         user_args = explicit_options(options, args)
-        served = ServedModel(args.model, args.compiled_capture, args.compiled_steering, user_args)
+        saes = read_saes(args.sae)
+        served = ServedModel(args.model, args.compiled_capture, args.compiled_steering, user_args,
+                             saes, args.sae_slots, args.sae_top_k)
         user_args = {**model_impl_args(served.mapping), **user_args}
         engine = prepare_engine(user_args, compiled, served.mapping.cpu_engine_args)
         for key, value in engine.items():  # as vLLM's serve options
