@@ -70,6 +70,7 @@ GPU_PRESET: dict[str, Any] = {
     "prompt_len": 128,
     "new_tokens": 128,
     "layer": 18,
+    "sae_features": 65536,
     "hf_batch": 32,
     "profile_new_tokens": 32,
     "engine": {
@@ -94,6 +95,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "prompt_len": 128,
         "new_tokens": 64,
         "layer": 15,
+        "sae_features": 4608,
         "hf_batch": 8,
         "profile_new_tokens": 8,
         "engine": {"max_model_len": 512},
@@ -107,6 +109,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "prompt_len": 64,
         "new_tokens": 32,
         "layer": 8,
+        "sae_features": 8192,
         "hf_batch": 8,
         "profile_new_tokens": 8,
         "engine": {"max_model_len": 512},
@@ -119,6 +122,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "prompt_len": 8,
         "new_tokens": 4,
         "layer": 1,
+        "sae_features": 256,
         "hf_batch": 2,
         "profile_new_tokens": 2,
         "engine": {"max_model_len": 256},
@@ -541,6 +545,84 @@ def worker_hooks(
         write_profile(profile, len(prompts), short, tuple(runs))
 
 
+def bench_sae(preset: dict[str, Any], d_model: int) -> Any:
+    """A random standard SAE at the preset's layer's ``hook_resid_post`` (``sae_features``
+    features, the preset's dtype), built in memory: its speed, not its features, is measured."""
+    import torch
+
+    from vlens.sae import SAE, SAEConfig
+
+    d_sae = preset["sae_features"]
+    cfg = SAEConfig("standard", d_model, d_sae, dtype=preset["dtype"],
+                    hook_name=f"blocks.{preset['layer']}.hook_resid_post")
+    generator = torch.Generator().manual_seed(7)
+    w_dec = torch.randn(d_sae, d_model, generator=generator) / d_model**0.5
+    weights = {"W_enc": w_dec.T.contiguous(), "W_dec": w_dec, "b_dec": torch.zeros(d_model),
+               "b_enc": -0.1 * torch.ones(d_sae)}
+    return SAE(cfg, weights).eval()
+
+
+def worker_saes(preset: dict[str, Any], path: Path, timer: Timer, kind: str) -> None:
+    """An SAE of ``sae_features`` features at one layer: ``sae_steer``, declared in the graph
+    (``compiled_saes``) and one feature clamped per request (a different feature each);
+    ``sae_top_k``, declared with its top-64 features captured, read over the prefill;
+    ``sae_splice``, spliced in whole with ``add_sae`` at a ``compiled_hooks`` name (its
+    reconstruction replaces the activation) in generation."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from vlens import HookedVLLM, SAESteer
+
+    d_model = json.loads((path / "config.json").read_text())["hidden_size"]
+    sae = bench_sae(preset, d_model)
+    one = sae.cfg.hook_name
+    declared: dict[str, Any] = {
+        "sae_steer": {"compiled_saes": {"res": sae}},
+        "sae_top_k": {"compiled_saes": {"res": sae}, "compiled_sae_top_k": 64},
+        "sae_splice": {"compiled_hooks": [one]},
+    }[kind]
+    model = HookedVLLM.from_pretrained(path, dtype=preset["dtype"], **declared,
+                                       **engine_args(preset))
+    llm = model.engine.llm
+    record_runner(timer, llm)
+    prompts = prompts_for(preset, model.cfg.d_vocab)
+    n_prompt = sum(len(p) for p in prompts)
+    new = preset["new_tokens"]
+
+    def plain(max_tokens: int) -> int:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                               use_tqdm=False)
+        return sum(len(o.outputs[0].token_ids) for o in outputs)
+
+    def generated(max_new: int, **asked: Any) -> int:
+        out = model.generate(prompts, max_new_tokens=max_new, do_sample=False, stop_at_eos=False,
+                             return_type="tokens", **asked)
+        return sum(len(o) for o in out) - n_prompt
+
+    clamps = [[SAESteer("res", features=[(97 * i + 5) % sae.cfg.d_sae], clamp=8.0)]
+              for i in range(len(prompts))]
+    top_k = [f"{one}.hook_sae_acts_post.top_k_values", f"{one}.hook_sae_acts_post.top_k_indices"]
+
+    def captured() -> int:
+        _, cache = model.run_with_cache(prompts, names_filter=top_k, return_type=None)
+        return int(cache.lengths.sum())
+
+    if kind == "sae_splice":
+        model.add_sae(sae)
+    generated(2)
+    for rep in range(timer.reps):
+        timer.measure(f"{kind}_idle", "generate", lambda: plain(new), rep=rep)
+        if kind == "sae_steer":
+            timer.measure("sae_steer_clamp", "generate",
+                          lambda: generated(new, prompt_steering=clamps), rep=rep)
+        elif kind == "sae_top_k":
+            timer.measure(f"{kind}_idle", "prefill", lambda: (plain(1), n_prompt)[1], rep=rep)
+            timer.measure("sae_top_k_capture", "prefill", captured, rep=rep)
+        else:
+            timer.measure("sae_splice_generate", "generate", lambda: generated(new), rep=rep)
+
+
 def engine_args(preset: dict[str, Any]) -> dict[str, Any]:
     """Every engine's arguments: the preset's, prefix caching off (every repetition sends the
     same prompts, which a prefix cache would serve from the second on)."""
@@ -668,13 +750,13 @@ def worker_transformer_lens(preset: dict[str, Any], path: Path, timer: Timer) ->
 # ---- the orchestrating process -----------------------------------------------------------------
 
 WORKERS = ("eager", "compiled", "compiled_piecewise", "graph_1", "graph_all", "hooks", "hooks_1", "hf",
-           "transformer_lens")
+           "transformer_lens", "sae_steer", "sae_top_k", "sae_splice")
 
 
 #: Seconds each worker may take (``--timeouts`` overrides), so that one run ends in time.
 TIMEOUTS = {"eager": 300, "compiled": 150, "compiled_piecewise": 150, "graph_1": 300, "graph_all": 300, "hooks": 300,
             "hooks_1": 300, "hf": 80,
-            "transformer_lens": 300}
+            "transformer_lens": 300, "sae_steer": 300, "sae_top_k": 300, "sae_splice": 300}
 
 
 def run_worker(name: str, args: argparse.Namespace, path: Path) -> dict[str, Any]:
@@ -748,6 +830,13 @@ LABELS = {
     "tl_cache_1": "TransformerLens (TransformerBridge on HF) run_with_cache, one layer",
     "tl_cache_all": "TransformerLens (TransformerBridge on HF) run_with_cache, every layer",
     "tl_steer": "TransformerLens (TransformerBridge on HF) generate, one steering vector",
+    "sae_steer_idle": "vlens compiled, an SAE in compiled_saes, no vlens request",
+    "sae_steer_clamp": "vlens compiled_saes: generate, one SAE feature clamped per request "
+    "(a different feature each)",
+    "sae_top_k_idle": "vlens compiled, an SAE in compiled_saes with top-64 capture, no vlens request",
+    "sae_top_k_capture": "vlens compiled_saes: run_with_cache, the SAE's top-64 features per token",
+    "sae_splice_idle": "vlens compiled, one layer in compiled_hooks, no vlens request",
+    "sae_splice_generate": "vlens compiled_hooks + add_sae: generate with the whole SAE spliced in",
 }
 
 
@@ -838,6 +927,8 @@ def main(argv: list[str] | None = None) -> int:
                          every_layer=args.worker == "hooks")
         elif args.worker == "transformer_lens":
             worker_transformer_lens(preset, args.model_path, timer)
+        elif args.worker.startswith("sae_"):
+            worker_saes(preset, args.model_path, timer, args.worker)
         else:
             worker_hf(preset, args.model_path, timer)
         timer.save()
