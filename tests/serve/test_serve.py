@@ -512,6 +512,42 @@ def test_a_compiled_server_steers_and_captures_in_its_graph(compiled_server, hoo
             complete(client, prompt, fields)
 
 
+def test_steering_alone_travels_inside_the_request(compiled_server, hooked, tmp_path):
+    """A request that only steers (a vector, an SAE's features) reaches the workers inside the
+    request, with no call of its own: the tokens of generate; every worker forgets it once it
+    finishes."""
+    client = openai.OpenAI(base_url=compiled_server, api_key="none", max_retries=0, timeout=120)
+    model = hooked("llama")
+    vector = torch.randn(model.cfg.d_model, generator=torch.Generator().manual_seed(13))
+    prompts = [prompt_of(20 + i) for i in range(6)]
+    fields = {"steering": [{"name": STEERED, "add": vector.tolist(), "scale": 6.0,
+                            "positions": [4, None]}]}
+    with ThreadPoolExecutor(6) as pool:
+        responses = list(pool.map(lambda p: complete(client, p, fields), prompts))
+    steer = Steer(STEERED, add=vector, scale=6.0, positions=slice(4, None))
+    expected = model.generate(prompts, max_new_tokens=8, do_sample=False, stop_at_eos=False,
+                              return_type="tokens", steering=[steer])
+    assert [p + new_tokens(r) for p, r in zip(prompts, responses)] == expected
+    assert expected != model.generate(prompts, max_new_tokens=8, do_sample=False,
+                                      stop_at_eos=False, return_type="tokens")
+    assert all(r.model_extra.get("vlens") is None for r in responses)  # nothing captured
+    sae = SAE.load_from_disk(random_sae(tmp_path / "sae", d_in=128, d_sae=48, hook_name=SAE_AT,
+                                        seed=5))
+    response = complete(client, prompts[0], {"steering": [{"sae": "std", "features": [7, 8],
+                                                           "scale": [0.0, 5.0]}]})
+
+    def edit(acts: torch.Tensor, hook) -> None:
+        acts[..., 7] = 0.0
+        acts[..., 8] *= 5.0
+
+    with model.saes(saes=[sae], use_error_term=True):
+        expected = model.generate(prompts[0], max_new_tokens=8, do_sample=False,
+                                  stop_at_eos=False, return_type="tokens",
+                                  fwd_hooks=[(f"{SAE_AT}.hook_sae_acts_post", edit)])
+    assert prompts[0] + new_tokens(response) == expected[0]
+    assert_forgotten(compiled_server)
+
+
 def test_a_compiled_server_edits_sae_features_and_captures_the_top_k(
     compiled_server, hooked, tmp_path
 ):

@@ -502,13 +502,19 @@ class GraphSites:
             entries = self.call.tables[name]
             buffers = self.steering[name].terms
             self.call.stacked[name] = tuple(
-                torch.stack([entry[part] for entry in entries]).to(self.device, buffer.dtype)
+                self._to_device(torch.stack([entry[part] for entry in entries]).to(buffer.dtype))
                 for part, buffer in enumerate(buffers)
             )
         return self.call.stacked[name]
 
     def _index(self, values: np.ndarray) -> Tensor:
-        host = torch.from_numpy(values)
+        return self._to_device(torch.from_numpy(values))
+
+    def _to_device(self, host: Tensor) -> Tensor:
+        """``host`` on the engine's device without waiting for the GPU: a copy from pageable
+        memory would wait for the steps queued before it, and the CPU would no longer prepare
+        the next step while the GPU runs this one (the pinned block is not reused before the
+        copy is done: torch's host allocator records the copy)."""
         if self.device.type == "cuda":
             return host.pin_memory().to(self.device, non_blocking=True)
         return host.to(self.device)

@@ -23,7 +23,8 @@ import cloudpickle
 
 from vlens.runtime.graph import GraphName, install_graph_sites
 from vlens.runtime.graph_breaks import segment_graphs_at_hook_sites
-from vlens.runtime.worker import GRAPH_ATTRIBUTE
+from vlens.runtime.inline import InlineSteering
+from vlens.runtime.worker import GRAPH_ATTRIBUTE, RUNTIME_ATTRIBUTE, runtime_of
 
 #: The environment variable naming the file of the graph names (set while an engine is built).
 GRAPH_NAMES_FILE = "VLENS_GRAPH_NAMES_FILE"
@@ -47,6 +48,14 @@ class InstallsGraphSites:
         setattr(self, GRAPH_ATTRIBUTE, sites)
         if sites.hook_sites and not current_platform.is_cpu():  # before vLLM captures its graphs
             segment_graphs_at_hook_sites()
+
+    def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's step, after following the served requests that carry their steers
+        (:mod:`vlens.runtime.inline`)."""
+        runtime = getattr(self, RUNTIME_ATTRIBUTE, None)
+        if InlineSteering.carried(scheduler_output) or (runtime is not None and runtime.inline.tags):
+            runtime_of(self).follow_inline(scheduler_output)
+        return super().execute_model(scheduler_output, *args, **kwargs)  # type: ignore[misc]
 
 
 def worker_class_name() -> str:

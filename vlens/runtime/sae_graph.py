@@ -121,7 +121,7 @@ class SAEStage(nn.Module):
         self.slot_of[feature] = free
         sae = self.sae
         with torch.no_grad():
-            self.features[free] = feature
+            self.features[free : free + 1].fill_(feature)  # a kernel, no copy from the host
             self.w_enc[:, free] = sae.W_enc[:, feature]
             decoder = sae.W_dec[feature]
             if sae.cfg.architecture == "topk" and sae.cfg.rescale_acts_by_decoder_norm:

@@ -40,7 +40,15 @@ from vlens.runtime.batches import (
 from vlens.runtime.graph import GraphSites
 from vlens.runtime.hooks import refuse_part_of_a_prefill, run_hooks, run_hooks_together
 from vlens.runtime.host_stream import Slot
-from vlens.runtime.layout import Followed, RequestRows, StepRows, follow_steps, mark_sampling
+from vlens.runtime.inline import InlineSteering
+from vlens.runtime.layout import (
+    Followed,
+    RequestRows,
+    StepRows,
+    follow_steps,
+    mark_sampling,
+    tag_of,
+)
 from vlens.runtime.locations import Site
 from vlens.runtime.messages import (
     Chunk,
@@ -110,8 +118,20 @@ class WorkerRuntime:
         self._fired_in_graph: dict[Site, Callable[[tuple, dict, Any], None]] = {}
         if graph is not None:
             graph.run_hook_site = self._graph_hook_site_fired
+        #: served requests whose steers came inside the request (no call of their own)
+        self.inline = InlineSteering()
         self._wrap_model_forward()
         apply_cpu_patches(self.model)
+
+    def follow_inline(self, scheduler_output: Any) -> None:
+        """Before a step: forget the served requests that steered inline and finished, and
+        follow the new ones (:mod:`vlens.runtime.inline`)."""
+        finished = self.inline.finished(scheduler_output)
+        if finished:
+            self.finish(finished)
+        plans = self.inline.new_plans(scheduler_output, tag_of)
+        if plans:
+            self.prepare(plans)
 
     def _wrap_model_forward(self) -> None:
         """Read the step's row layout right before each real forward (not warm-up dummies), from
@@ -557,12 +577,16 @@ def handed_back(
 GRAPH_ATTRIBUTE = "_vlens_graph"
 
 
+#: Where a worker keeps its :class:`WorkerRuntime`.
+RUNTIME_ATTRIBUTE = "_vlens_runtime"
+
+
 def runtime_of(worker: Any) -> WorkerRuntime:
     """The worker's runtime, created on first use."""
-    runtime = getattr(worker, "_vlens_runtime", None)
+    runtime = getattr(worker, RUNTIME_ATTRIBUTE, None)
     if runtime is None:
         runtime = WorkerRuntime(worker.model_runner, getattr(worker, GRAPH_ATTRIBUTE, None))
-        worker._vlens_runtime = runtime
+        setattr(worker, RUNTIME_ATTRIBUTE, runtime)
     return runtime
 
 

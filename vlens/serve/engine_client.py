@@ -25,6 +25,7 @@ from vllm.sampling_params import RequestOutputKind
 
 from vlens.engine.link import WorkerCall
 from vlens.engine.prefix_cache import CacheUse, cache_use, skips_reading
+from vlens.runtime.inline import INLINE_KEY
 from vlens.runtime.messages import TAG_KEY, Handback
 from vlens.serve.model import Planned, ServedModel
 from vlens.serve.store import ActivationStore
@@ -92,8 +93,9 @@ class VlensEngineClient:
     ) -> AsyncGenerator[Any, None]:
         extra = dict(getattr(sampling_params, "extra_args", None) or {})
         ticket = extra.pop(FIELDS_KEY, None)
-        if TAG_KEY in extra:  # the routes refuse it; whatever else reaches here must not pose
-            raise ValueError(f"{TAG_KEY} is reserved by vlens")  # as another request's rows
+        posing = {TAG_KEY, INLINE_KEY} & extra.keys()  # the routes refuse them; whatever else
+        if posing:  # reaches here must not pose as another request's rows or carry steers
+            raise ValueError(f"{sorted(posing)} are reserved by vlens")
         if ticket is None:
             async for output in self._engine.generate(
                 prompt, sampling_params, request_id, *args, **kwargs
@@ -124,6 +126,13 @@ class VlensEngineClient:
         tag = f"serve-{next(_serial)}:0"
         sampling_params.extra_args = {**sampling_params.extra_args, TAG_KEY: tag}
         prompt = with_cache_use(prompt, sampling_params, cache_use(planned.plan))
+        if planned.inline is not None:  # the workers take its steers from the request itself
+            sampling_params.extra_args[INLINE_KEY] = planned.inline
+            async for output in self._engine.generate(
+                prompt, sampling_params, request_id, *args, **kwargs
+            ):
+                yield output
+            return
         # A client that leaves cancels this task: the workers still finish what they were asked,
         # and forget the request (shielded: the calls go on while the task is cancelled).
         prepared = asyncio.ensure_future(self._on_workers("prepare", {tag: planned.plan}))

@@ -26,6 +26,7 @@ from fastapi.routing import APIRoute
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
+from vlens.runtime.inline import INLINE_KEY
 from vlens.runtime.messages import TAG_KEY
 from vlens.serve.engine_client import FIELDS_KEY, VlensEngineClient, sample_key
 from vlens.serve.fields import BadVlensField, read_fields
@@ -106,7 +107,7 @@ async def status() -> Response:
 
 async def _with_vlens_fields(path: str, request: Any, raw_request: Request) -> Response:
     client = _client()
-    reserved = sorted({TAG_KEY, FIELDS_KEY} & set(request.vllm_xargs or {}))
+    reserved = sorted({TAG_KEY, FIELDS_KEY, INLINE_KEY} & set(request.vllm_xargs or {}))
     if reserved:  # a request must not pose as another one's rows
         message = f"vllm_xargs: {reserved} are reserved by vlens; use the vlens field"
         return _error(400, message, "vllm_xargs")
