@@ -5,8 +5,8 @@ Each server runs as a child process, one after the other, on the same prompts (r
 and settings; ``--clients`` threads each send ``--requests`` completions (greedy, ``ignore_eos``,
 ``--new-tokens`` each). Plain vLLM's requests carry nothing; one ``vlens serve`` (the graph tier:
 ``--compiled-steering`` and ``--compiled-capture`` at one layer's residual stream, ``--vectors``)
-gets the same requests, in turn, with a steering vector of its own in each (a JSON array), with
-a named vector of its own in each, and with that layer captured. ``few-shot`` runs a workload of
+gets the same requests, in turn, with a steering vector of its own in each (a JSON array; the
+same in base64), with a named vector of its own in each, and with that layer captured. ``few-shot`` runs a workload of
 one shared prefix, steered identically, on ``vlens serve`` with prefix caching and without it.
 Reported: generated tokens per second, best of ``--reps``, and the ratio to plain vLLM of the
 same mode (eager against ``vllm serve --enforce-eager``, the graph tier against vLLM's default
@@ -22,6 +22,7 @@ back as text.
 from __future__ import annotations
 
 import argparse
+import base64
 import importlib.util
 import json
 import sys
@@ -57,6 +58,8 @@ def servers(model: str, layer: int, modes: list[str], common: list[str],
     plain: list[tuple[str, Body]] = [("no steering", lambda i: None)]
     inline = ("a vector per request, inline", lambda i: {"steering": [
         {"name": name, "add": VECTORS[i], "scale": 4.0}]})
+    encoded = ("a vector per request, inline in base64", lambda i: {"steering": [
+        {"name": name, "add": {"base64": VECTORS_BASE64[i]}, "scale": 4.0}]})
     named = ("a named vector per request (--vectors)", lambda i: {"steering": [
         {"name": name, "add": f"v{i}", "scale": 4.0}]})
     capture = ("one layer captured per request", lambda i: {"capture": [name]})
@@ -70,12 +73,13 @@ def servers(model: str, layer: int, modes: list[str], common: list[str],
         runs.append(("compiled", f"vlens serve --compiled-steering/--compiled-capture {name}",
                      [*vlens, model, "--compiled-steering", name, "--compiled-capture", name,
                       "--vectors", str(vectors_file), *common],
-                     [inline, named, capture]))
+                     [inline, encoded, named, capture]))
     return runs
 
 
-#: The steering vectors of the requests, as JSON arrays (filled in by main)
+#: The steering vectors of the requests, as JSON arrays and in base64 (filled in by main)
 VECTORS: list[list[float]] = []
+VECTORS_BASE64: list[str] = []
 
 
 def load(base: str, model: str, prompts: list[list[int]], body: Body, clients: int,
@@ -207,6 +211,8 @@ def main() -> int:
                                 (count, args.prompt_tokens), generator=generator).tolist()
         vectors = torch.randn(count, config.hidden_size, generator=generator)
         VECTORS[:] = vectors.tolist()
+        VECTORS_BASE64[:] = [base64.b64encode(v.numpy().astype("<f4").tobytes()).decode()
+                             for v in vectors]
         vectors_file = Path(scratch) / "vectors.safetensors"
         save_file({f"v{i}": vector.contiguous() for i, vector in enumerate(vectors)},
                   str(vectors_file))

@@ -107,6 +107,8 @@ class Planner:
             steer for steer in steers
             if isinstance(steer, SAESteer) or steer.name in traced_steering
         )
+        if not hooks and not kept:  # steering in the graph at most (a served request, often)
+            return RequestPlan(index, {}, graph_keep, steers, (), call_size)
         common = shared_names(hooks, shared or {})
         sites: dict[Site, list[NamePlan]] = {}
         for name, spec in self.specs.items():

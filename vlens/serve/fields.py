@@ -8,10 +8,12 @@ HTTP 400 carrying its message.
 
 from __future__ import annotations
 
+import array
+import base64
+import binascii
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from itertools import repeat
 from typing import Any
 
 import torch
@@ -126,7 +128,8 @@ def _sae_steer(entry: dict, where: str) -> SAESteer:
 
 
 def _vector(value: Any, where: str, vectors: Mapping[str, Tensor]) -> Tensor | None:
-    """A JSON array of finite numbers, or the name of a registered vector."""
+    """A JSON array of finite numbers, ``{"base64": ...}`` (little-endian float32, as OpenAI's
+    embeddings API encodes vectors), or the name of a registered vector."""
     if value is None:
         return None
     if isinstance(value, str):
@@ -134,21 +137,42 @@ def _vector(value: Any, where: str, vectors: Mapping[str, Tensor]) -> Tensor | N
             known = ", ".join(sorted(vectors)) or "none (start the server with --vectors FILE)"
             raise BadVlensField(f"{where}: no vector named {value!r}; the server has: {known}")
         return vectors[value]
-    # Checked as one tensor: a vector is a model's width (thousands of numbers), and checking
-    # each number in Python costs milliseconds per request in the server's one thread.
-    vector = None
-    if isinstance(value, list) and value and not any(map(isinstance, value, repeat(bool))):
-        try:
-            vector = torch.tensor(value, dtype=torch.float64)
-        except (TypeError, ValueError, RuntimeError):
-            vector = None
-    if vector is None or vector.dim() != 1:
-        raise BadVlensField(
-            f"{where} must be a non-empty array of numbers or a registered vector's name"
-        )
+    if isinstance(value, dict):
+        vector = _base64_vector(value, where)
+    else:
+        vector = _array_vector(value, where)
     if not bool(torch.isfinite(vector).all()):
         raise BadVlensField(f"{where} holds a non-finite value (NaN or infinity)")
     return vector.to(torch.float32)
+
+
+def _array_vector(value: Any, where: str) -> Tensor:
+    # Checked and converted as a whole: a vector is a model's width (thousands of numbers), and
+    # a loop over them in Python costs milliseconds per request in the server's one thread.
+    if not isinstance(value, list) or not value or not set(map(type, value)) <= {float, int}:
+        raise BadVlensField(
+            f"{where} must be a non-empty array of numbers, {{\"base64\": ...}} or a registered "
+            f"vector's name"
+        )
+    try:
+        return torch.frombuffer(array.array("d", value), dtype=torch.float64)
+    except OverflowError:
+        raise BadVlensField(f"{where} holds a number too large for a float") from None
+
+
+def _base64_vector(value: dict, where: str) -> Tensor:
+    encoded = value.get("base64")
+    if set(value) != {"base64"} or not isinstance(encoded, str):
+        raise BadVlensField(f"{where}: a vector object is {{\"base64\": \"...\"}} (float32, "
+                            f"little-endian)")
+    try:
+        raw = base64.b64decode(encoded, validate=True)
+    except (binascii.Error, ValueError):
+        raise BadVlensField(f"{where}.base64 is not base64") from None
+    if not raw or len(raw) % 4:
+        raise BadVlensField(f"{where}.base64 holds {len(raw)} bytes, not a whole number of "
+                            f"float32 values")
+    return torch.frombuffer(bytearray(raw), dtype=torch.float32)
 
 
 def _positions(value: Any, where: str) -> slice | None:
