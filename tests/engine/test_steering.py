@@ -73,7 +73,7 @@ def test_eager_steer_equals_the_same_hook_function(hooked):
     by_data = model.generate(prompts, steering=[steer], **options)
     by_hook = model.generate(prompts, fwd_hooks=[(name, add_from_position_two)], **options)
     assert by_data == by_hook
-    with pytest.raises(ValueError, match="two Steer values"):
+    with pytest.raises(ValueError, match="two steers of"):
         model.generate(prompts, steering=[steer], prompt_steering=[[Steer(name, gain=2.0)], []])
 
 

@@ -102,7 +102,7 @@ class SteeringBuffers:
     neutral: tuple[float, ...]
     #: what the last step's rows hold: their rows, which terms each took, and from which
     #: table (reset before a step that needs other terms)
-    placed: tuple[np.ndarray, np.ndarray, Terms] | None = None
+    placed: tuple[np.ndarray, np.ndarray, tuple] | None = None
     dirty: Tensor | None = None  # the same rows on the device
     #: the step (:attr:`StepRows.key`) and the call's revision the rows were placed for:
     #: a step of both again needs nothing, where no steer of the name picks positions
@@ -122,14 +122,15 @@ class SteeringBuffers:
         )
         return cls(terms, neutral)
 
-    def holds(self, rows: np.ndarray, sources: np.ndarray, terms: Terms | None) -> bool:
+    def holds(self, rows: np.ndarray, sources: np.ndarray, table: tuple | None) -> bool:
         """Whether the rows already hold these terms (a decode step steering the same requests
-        in the same rows as the last: nothing to write)."""
+        in the same rows as the last: nothing to write); ``table``: the terms' table and its
+        version."""
         if self.placed is None:
             return not len(rows)
-        placed_rows, placed_sources, placed_terms = self.placed
+        placed_rows, placed_sources, placed_table = self.placed
         return (
-            placed_terms is terms
+            placed_table == table
             and np.array_equal(placed_rows, rows)
             and np.array_equal(placed_sources, sources)
         )
@@ -147,6 +148,51 @@ class SteeringBuffers:
         self.dirty = rows
 
 
+class TermTable:
+    """Every followed request's terms for one steering target, on the device, one row each.
+
+    A request's row is written once, when it is followed (one small copy, which does not wait
+    for the GPU), and reused by a later request once it finishes: requests that come and go
+    (a server) never make the whole table travel again. :attr:`version` changes with every row
+    written, so that step rows placed from an older table are placed again."""
+
+    def __init__(self, like: Sequence[Tensor], to_device: Callable[[Tensor], Tensor]) -> None:
+        self.like = like  # the per-row buffers: each term's width, dtype and device
+        self.to_device = to_device
+        self.rows: tuple[Tensor, ...] = tuple(
+            torch.empty(0, buffer.shape[1], dtype=buffer.dtype, device=buffer.device)
+            for buffer in like
+        )
+        self.free: list[int] = []
+        self.used = 0  # rows ever handed out
+        self.version = 0
+
+    def add(self, terms: Terms) -> int:
+        """A row holding ``terms`` (CPU vectors), and its index."""
+        if self.free:
+            index = self.free.pop()
+        else:
+            index = self.used
+            self.used += 1
+            if index >= len(self.rows[0]):
+                self._grow(max(8, 2 * len(self.rows[0])))
+        for table, term in zip(self.rows, terms):
+            table[index].copy_(self.to_device(term.to(table.dtype)), non_blocking=True)
+        self.version += 1
+        return index
+
+    def remove(self, index: int) -> None:
+        self.free.append(index)
+
+    def _grow(self, capacity: int) -> None:
+        grown = []
+        for table in self.rows:
+            bigger = torch.zeros(capacity, table.shape[1], dtype=table.dtype, device=table.device)
+            bigger[: len(table)] = table
+            grown.append(bigger)
+        self.rows = tuple(grown)
+
+
 @dataclass
 class CallState:
     """What the requests being served asked of the graph (cleared when they finish)."""
@@ -155,10 +201,8 @@ class CallState:
     kept_names: dict[str, frozenset[str]] = field(default_factory=dict)
     #: tag -> target -> (its entry in that target's table, the steer)
     steering: dict[str, dict[str, tuple[int, AnySteer]]] = field(default_factory=dict)
-    #: target (a name, or a compiled SAE's) -> every steer's terms; ``stacked``: the same on
-    #: the device
-    tables: dict[str, list[Terms]] = field(default_factory=lambda: defaultdict(list))
-    stacked: dict[str, Terms] = field(default_factory=dict)
+    #: target (a name, or a compiled SAE's) -> every followed steer's terms, on the device
+    tables: dict[str, TermTable] = field(default_factory=dict)
     store: StepStore = field(default_factory=StepStore)
     #: the call's kept rows written into the host's cache as steps end (:mod:`host_stream`),
     #: where the call gave each request its :class:`Slot`; else they wait in :attr:`store`
@@ -327,14 +371,15 @@ class GraphSites:
         own = {}
         self.call.steering[tag] = own
         for steer in steers:
-            entries = self.call.tables[steer.target]
             if isinstance(steer, SAESteer):
                 terms = self.saes[steer.sae].terms(tag, steer)
             else:
                 terms = steer.terms(self.names[steer.name].width)
-            own[steer.target] = (len(entries), steer)
-            entries.append(terms)
-            self.call.stacked.pop(steer.target, None)
+            table = self.call.tables.get(steer.target)
+            if table is None:
+                table = TermTable(self.steering[steer.target].terms, self._to_device)
+                self.call.tables[steer.target] = table
+            own[steer.target] = (table.add(terms), steer)
 
     def before_step(self, layout: StepRows | None) -> None:
         """Put the steered requests' terms on their rows of this step; every other row neutral.
@@ -345,12 +390,13 @@ class GraphSites:
             if step is not None and buffers.placed_for == step:
                 continue
             rows, sources = self._steered_rows(name, layout or ())
-            terms = self._stacked(name) if len(rows) else None
-            if not buffers.holds(rows, sources, terms):
+            table = self.call.tables.get(name) if len(rows) else None
+            version = None if table is None else (id(table), table.version)
+            if not buffers.holds(rows, sources, version):
                 buffers.reset()
-                if terms is not None:
-                    buffers.set_rows(self._index(rows), terms, self._index(sources))
-                    buffers.placed = (rows, sources, terms)
+                if table is not None:
+                    buffers.set_rows(self._index(rows), table.rows, self._index(sources))
+                    buffers.placed = (rows, sources, version)
             if name not in positional:
                 buffers.placed_for = step
 
@@ -472,7 +518,8 @@ class GraphSites:
             self.revision += 1
             for tag in tags:
                 self.call.kept_names.pop(tag, None)
-                self.call.steering.pop(tag, None)
+                for target, (index, _) in self.call.steering.pop(tag, {}).items():
+                    self.call.tables[target].remove(index)
                 for stage in self.saes.values():
                     stage.release(tag)
             if not self.call.kept_names:
@@ -483,29 +530,8 @@ class GraphSites:
                     buffers.reset()
             else:  # requests overlap (a server): forget only what the finished ones held
                 self.call.store.forget_others(set(self.call.kept_names))
-                self._compact_tables()
 
     # ---- helpers -----------------------------------------------------------------------------
-
-    def _compact_tables(self) -> None:
-        """Keep only the steering terms of requests still followed, renumbered."""
-        tables: dict[str, list[Terms]] = defaultdict(list)
-        for own in self.call.steering.values():
-            for name, (index, steer) in own.items():
-                own[name] = (len(tables[name]), steer)
-                tables[name].append(self.call.tables[name][index])
-        self.call.tables = tables
-        self.call.stacked.clear()
-
-    def _stacked(self, name: str) -> Terms:
-        if name not in self.call.stacked:
-            entries = self.call.tables[name]
-            buffers = self.steering[name].terms
-            self.call.stacked[name] = tuple(
-                self._to_device(torch.stack([entry[part] for entry in entries]).to(buffer.dtype))
-                for part, buffer in enumerate(buffers)
-            )
-        return self.call.stacked[name]
 
     def _index(self, values: np.ndarray) -> Tensor:
         return self._to_device(torch.from_numpy(values))
