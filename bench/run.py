@@ -405,35 +405,49 @@ def worker_eager(
     timer.meta["peak_rss_bytes_eager_worker"] = peak_rss_bytes()
 
 
+def vlens_engine(preset: dict[str, Any], path: Path, timer: Timer, **declared: Any) -> tuple:
+    """A vlens engine with ``declared`` compiled names, its ``vllm.LLM``, the preset's prompts
+    and their number of tokens."""
+    from vlens import HookedVLLM
+
+    model = HookedVLLM.from_pretrained(path, dtype=preset["dtype"], **declared,
+                                       **engine_args(preset))
+    llm = model.engine.llm
+    record_runner(timer, llm)
+    prompts = prompts_for(preset, model.cfg.d_vocab)
+    return model, llm, prompts, sum(len(p) for p in prompts)
+
+
+def plain_tokens(llm: Any, prompts: list[list[int]], max_tokens: int) -> int:
+    """The tokens ``llm.generate`` makes with no vlens request (greedy, ``ignore_eos``)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                           use_tqdm=False)
+    return sum(len(o.outputs[0].token_ids) for o in outputs)
+
+
 def worker_graph(preset: dict[str, Any], path: Path, timer: Timer, every_layer: bool) -> None:
     """vlens's graph tier: a compiled engine with one layer's ``hook_resid_post`` declared for
     capture and steering (``graph_1``), or every layer's for capture (``graph_all``)."""
     import torch
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
 
-    from vlens import HookedVLLM, Steer
+    from vlens import Steer
 
     n_layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
     one = f"blocks.{preset['layer']}.hook_resid_post"
     every = [f"blocks.{i}.hook_resid_post" for i in range(n_layers)]
     declared = {"compiled_capture": every} if every_layer else {
         "compiled_capture": [one], "compiled_steering": [one]}
-    model = HookedVLLM.from_pretrained(path, dtype=preset["dtype"], **declared,
-                                       **engine_args(preset))
-    llm = model.engine.llm
-    record_runner(timer, llm)
-    prompts = prompts_for(preset, model.cfg.d_vocab)
-    n_prompt = sum(len(p) for p in prompts)
+    model, llm, prompts, n_prompt = vlens_engine(preset, path, timer, **declared)
     new = preset["new_tokens"]
     generator = torch.Generator().manual_seed(1)
     vectors = [torch.randn(model.cfg.d_model, generator=generator) for _ in prompts]
 
     def plain(max_tokens: int) -> int:
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
-                               use_tqdm=False)
-        return sum(len(o.outputs[0].token_ids) for o in outputs)
+        return plain_tokens(llm, prompts, max_tokens)
 
     def cache(names: list[str], max_new: int, device: str | None = None) -> int:
         _, c = model.run_with_cache(prompts, names_filter=names, return_type=None,
@@ -481,31 +495,19 @@ def worker_hooks(
     function at one layer, one function reading one layer, and (every layer declared) a function
     that does nothing at every layer."""
     import torch
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    from vlens import HookedVLLM
 
     n_layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
     one = f"blocks.{preset['layer']}.hook_resid_post"
     every = [f"blocks.{i}.hook_resid_post" for i in range(n_layers)]
     kind = "hooks" if every_layer else "hooks_1"
-    model = HookedVLLM.from_pretrained(path, dtype=preset["dtype"],
-                                       compiled_hooks=every if every_layer else [one],
-                                       **engine_args(preset))
-    llm = model.engine.llm
-    record_runner(timer, llm)
-    prompts = prompts_for(preset, model.cfg.d_vocab)
-    n_prompt = sum(len(p) for p in prompts)
+    model, llm, prompts, n_prompt = vlens_engine(
+        preset, path, timer, compiled_hooks=every if every_layer else [one])
     new = preset["new_tokens"]
     vector = torch.randn(model.cfg.d_model, generator=torch.Generator().manual_seed(1))
     read: list[torch.Tensor] = []
 
     def plain(max_tokens: int) -> int:
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
-                               use_tqdm=False)
-        return sum(len(o.outputs[0].token_ids) for o in outputs)
+        return plain_tokens(llm, prompts, max_tokens)
 
     on_device: dict[str, torch.Tensor] = {}
 
@@ -568,10 +570,7 @@ def worker_saes(preset: dict[str, Any], path: Path, timer: Timer, kind: str) -> 
     ``sae_top_k``, declared with its top-64 features captured, read over the prefill;
     ``sae_splice``, spliced in whole with ``add_sae`` at a ``compiled_hooks`` name (its
     reconstruction replaces the activation) in generation."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    from vlens import HookedVLLM, SAESteer
+    from vlens import SAESteer
 
     d_model = json.loads((path / "config.json").read_text())["hidden_size"]
     sae = bench_sae(preset, d_model)
@@ -581,19 +580,11 @@ def worker_saes(preset: dict[str, Any], path: Path, timer: Timer, kind: str) -> 
         "sae_top_k": {"compiled_saes": {"res": sae}, "compiled_sae_top_k": 64},
         "sae_splice": {"compiled_hooks": [one]},
     }[kind]
-    model = HookedVLLM.from_pretrained(path, dtype=preset["dtype"], **declared,
-                                       **engine_args(preset))
-    llm = model.engine.llm
-    record_runner(timer, llm)
-    prompts = prompts_for(preset, model.cfg.d_vocab)
-    n_prompt = sum(len(p) for p in prompts)
+    model, llm, prompts, n_prompt = vlens_engine(preset, path, timer, **declared)
     new = preset["new_tokens"]
 
     def plain(max_tokens: int) -> int:
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
-                               use_tqdm=False)
-        return sum(len(o.outputs[0].token_ids) for o in outputs)
+        return plain_tokens(llm, prompts, max_tokens)
 
     def generated(max_new: int, **asked: Any) -> int:
         out = model.generate(prompts, max_new_tokens=max_new, do_sample=False, stop_at_eos=False,

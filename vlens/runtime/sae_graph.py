@@ -21,15 +21,16 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
 from vlens.runtime.steering import SAESteer
-from vlens.sae import activations
-from vlens.sae.autoencoder import SAE
-from vlens.sae.normalize import normalize
+
+if TYPE_CHECKING:  # a worker loads vlens.sae only where an SAE is compiled in (unpickled)
+    from vlens.sae.autoencoder import SAE
 
 #: The names of a compiled SAE's top-k capture, after its hook name.
 TOP_K_VALUES = "hook_sae_acts_post.top_k_values"
@@ -65,7 +66,12 @@ class SAEStage(nn.Module):
     traced computation (:meth:`forward`)."""
 
     def __init__(self, compiled: CompiledSAE, device: torch.device) -> None:
+        from vlens.sae import activations
+        from vlens.sae.normalize import normalize
+
         super().__init__()
+        self._normalize, self._gate, self._jump_relu = (
+            normalize, activations.gate, activations.jump_relu)
         self.compiled = compiled
         self.sae = compiled.sae.to(device)
         cfg = self.sae.cfg
@@ -140,7 +146,7 @@ class SAEStage(nn.Module):
         whole encode runs, every feature of every row after the edits."""
         sae, cfg = self.sae, self.sae.cfg
         flat = x.reshape(x.shape[0], -1).to(sae.dtype)  # a hook_z SAE reads the heads flattened
-        normed, restore = normalize(flat, cfg.normalize_activations, cfg.d_in)
+        normed, restore = self._normalize(flat, cfg.normalize_activations, cfg.d_in)
         if cfg.apply_b_dec_to_input:
             normed = normed - sae.b_dec
         every: Tensor | None = None
@@ -164,10 +170,10 @@ class SAEStage(nn.Module):
         if architecture == "gated":
             gate_pre = normed @ self.w_enc + self.b_gate_sel
             magnitude_pre = normed @ (self.w_enc * self.r_mag_sel.exp()) + self.b_mag_sel
-            return activations.gate(gate_pre, magnitude_pre)
+            return self._gate(gate_pre, magnitude_pre)
         pre = normed @ self.w_enc + self.b_enc_sel
         if architecture == "jumprelu":
-            return activations.jump_relu(pre, self.threshold_sel)
+            return self._jump_relu(pre, self.threshold_sel)
         return torch.relu(pre)
 
 
