@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from vlens.runtime.messages import RequestPlan
-from vlens.runtime.steering import AnySteer, SAESteer, Steer
+from vlens.runtime.steering import AnySteer, SAESteer, Steer, positions_as_data
 
 _own_salts = itertools.count()
 
@@ -79,7 +79,7 @@ def fingerprint(steers: tuple[AnySteer, ...]) -> str:
             for term in (steer.add, steer.ablate, steer.gain):
                 digest.update(_bytes(term))
             digest.update(repr(steer.scale).encode())
-        digest.update(repr(_positions(steer)).encode())
+        digest.update(repr(positions_as_data(steer.positions)).encode())
     return digest.hexdigest()[:32]
 
 
@@ -90,10 +90,3 @@ def _bytes(term: Tensor | float | None) -> bytes:
         flat = term.detach().to("cpu").contiguous().reshape(-1)
         return f"{flat.dtype}{tuple(term.shape)}".encode() + flat.view(torch.uint8).numpy().tobytes()
     return repr(float(term)).encode()
-
-
-def _positions(steer: AnySteer) -> object:
-    positions = steer.positions
-    if isinstance(positions, slice):
-        return ("slice", positions.start, positions.stop, positions.step)
-    return None if positions is None else tuple(int(p) for p in positions)

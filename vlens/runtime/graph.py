@@ -157,7 +157,7 @@ class TermTable:
     written, so that step rows placed from an older table are placed again."""
 
     def __init__(self, like: Sequence[Tensor], to_device: Callable[[Tensor], Tensor]) -> None:
-        self.like = like  # the per-row buffers: each term's width, dtype and device
+        """``like``: the per-row buffers, whose widths, dtypes and device the rows take."""
         self.to_device = to_device
         self.rows: tuple[Tensor, ...] = tuple(
             torch.empty(0, buffer.shape[1], dtype=buffer.dtype, device=buffer.device)
@@ -275,12 +275,11 @@ class GraphSites:
                                key=lambda site: site.event != "call")  # attention's first
         }
         by_site: dict[Site, list[GraphName]] = defaultdict(list)
-        for graph_name in names:
-            if (graph_name.capture or graph_name.steer) and graph_name.sae is None:
-                by_site[graph_name.site].append(graph_name)
         saes_by_site: dict[Site, list[GraphName]] = defaultdict(list)
         for graph_name in names:
-            if graph_name.sae is not None and graph_name.steer:
+            if graph_name.sae is None and (graph_name.capture or graph_name.steer):
+                by_site[graph_name.site].append(graph_name)
+            elif graph_name.sae is not None and graph_name.steer:  # its top-k names go with it
                 saes_by_site[graph_name.site].append(graph_name)
         for site in dict.fromkeys([*by_site, *saes_by_site]):
             hook = self._traced_hook(tuple(by_site[site]), tuple(saes_by_site[site]))

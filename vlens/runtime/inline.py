@@ -19,7 +19,13 @@ import torch
 from torch import Tensor
 
 from vlens.runtime.messages import RequestPlan
-from vlens.runtime.steering import AnySteer, Positions, SAESteer, Steer
+from vlens.runtime.steering import (
+    AnySteer,
+    SAESteer,
+    Steer,
+    positions_as_data,
+    positions_from_data,
+)
 
 #: The ``extra_args`` key of a request's steers (the routes refuse it from clients).
 INLINE_KEY = "vlens_steering"
@@ -36,7 +42,7 @@ def decode(value: list[dict[str, Any]]) -> tuple[AnySteer, ...]:
 
 
 def _encode_one(steer: AnySteer) -> dict[str, Any]:
-    positions = _positions_out(steer.positions)
+    positions = positions_as_data(steer.positions)
     if isinstance(steer, SAESteer):
         multipliers, offsets = steer.multipliers_and_offsets()
         return {"sae": steer.sae, "features": [int(f) for f in steer.features],
@@ -47,7 +53,7 @@ def _encode_one(steer: AnySteer) -> dict[str, Any]:
 
 
 def _decode_one(entry: dict[str, Any]) -> AnySteer:
-    positions = _positions_in(entry["positions"])
+    positions = positions_from_data(entry["positions"])
     if "sae" in entry:
         return SAESteer(entry["sae"], entry["features"], scale=entry["scale"], add=entry["add"],
                         positions=positions)
@@ -67,22 +73,6 @@ def _tensor(value: bytes | None) -> Tensor | None:
     if value is None:
         return None
     return torch.frombuffer(bytearray(value), dtype=torch.float32)
-
-
-def _positions_out(positions: Positions) -> list | None:
-    if positions is None:
-        return None
-    if isinstance(positions, slice):
-        return ["slice", positions.start, positions.stop, positions.step]
-    return ["list", *(int(p) for p in positions)]
-
-
-def _positions_in(value: list | None) -> Positions:
-    if value is None:
-        return None
-    if value[0] == "slice":
-        return slice(*value[1:])
-    return list(value[1:])
 
 
 class InlineSteering:

@@ -116,6 +116,24 @@ def position_offsets(chosen: Positions, first_position: int, count: int) -> Sequ
     return [p - first_position for p in sorted(set(map(int, chosen))) if first_position <= p < end]
 
 
+def positions_as_data(positions: Positions) -> list | None:
+    """``positions`` as plain data (a request carries it; a fingerprint digests it)."""
+    if positions is None:
+        return None
+    if isinstance(positions, slice):
+        return ["slice", positions.start, positions.stop, positions.step]
+    return ["list", *(int(p) for p in positions)]
+
+
+def positions_from_data(value: list | None) -> Positions:
+    """The positions :func:`positions_as_data` wrote."""
+    if value is None:
+        return None
+    if value[0] == "slice":
+        return slice(*value[1:])
+    return list(value[1:])
+
+
 @dataclass(frozen=True, eq=False)
 class SAESteer:
     """Edit ``features`` of the SAE declared as ``sae`` (``compiled_saes={sae: ...}``) at
