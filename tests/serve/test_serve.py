@@ -512,12 +512,20 @@ def test_a_compiled_server_steers_and_captures_in_its_graph(compiled_server, hoo
             complete(client, prompt, fields)
 
 
-def test_steering_alone_travels_inside_the_request(compiled_server, hooked, tmp_path):
-    """A request that only steers (a vector, an SAE's features) reaches the workers inside the
-    request, with no call of its own: the tokens of generate; every worker forgets it once it
-    finishes."""
+def test_compiled_plans_travel_inside_the_request(compiled_server, hooked, tmp_path):
+    """On a compiled engine, a request that steers (a vector, an SAE's features) reaches the
+    workers inside the request, with no call of its own, and one that also captures traced names
+    with one call only (its rows' hand-back): the tokens of generate; every worker forgets both
+    once they finish."""
     client = openai.OpenAI(base_url=compiled_server, api_key="none", max_retries=0, timeout=120)
     model = hooked("llama")
+    calls = settled(compiled_server)["worker_calls"]
+    steer_fields = {"steering": [{"name": STEERED, "add": [0.5] * model.cfg.d_model}]}
+    complete(client, prompt_of(3), steer_fields)
+    complete(client, prompt_of(4), {**steer_fields, "capture": ["blocks.0.hook_resid_post"]})
+    now = settled(compiled_server)["worker_calls"]
+    assert now.get("prepare", 0) == calls.get("prepare", 0), (calls, now)
+    assert now.get("finish", 0) == calls.get("finish", 0) + 1, (calls, now)
     vector = torch.randn(model.cfg.d_model, generator=torch.Generator().manual_seed(13))
     prompts = [prompt_of(20 + i) for i in range(6)]
     fields = {"steering": [{"name": STEERED, "add": vector.tolist(), "scale": 6.0,

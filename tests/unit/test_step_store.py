@@ -100,12 +100,48 @@ def test_rows_past_a_request_s_end_are_left_out():
         padded_batch("x", [[Chunk(0, rows(3, 4))]], None, [4])
 
 
-def test_forget_others_forgets_the_steps_no_running_request_has_rows_in():
+def test_forget_drops_the_steps_no_running_request_has_rows_in():
     store = StepStore()
     only_a, a_and_b = [Segment("a", 1, 0)], [Segment("a", 1, 1), Segment("b", 2, 0)]
     store.add("x", only_a, torch.zeros(1, 3))
     store.add("x", a_and_b, torch.ones(3, 3))
     store.add("y", only_a, torch.zeros(1, 3))
-    store.forget_others({"b"})
+    store.forget(["a"])
     assert list(store.entries) == ["x"] and len(store.entries["x"]) == 1
     assert store.entries["x"][0][0] is a_and_b
+
+
+def test_one_request_taken_from_many_is_its_row_of_the_whole_batch():
+    """A server takes one finished request at a time, from its own runs: the same rows, spans
+    and replaced rows as taking every request at once."""
+    def store() -> StepStore:
+        steps = StepStore()
+        steps.add("x", [Segment("a", 3, 0), Segment("b", 2, 0), Segment("c", 1, 0)],
+                  rows(0, 1, 2, 20, 21, 30))
+        steps.add("x", [Segment("b", 1, 2), Segment("a", 2, 0)], rows(22, 10, 11))  # a again
+        steps.add("x", [Segment("c", 1, 1), Segment("a", 1, 2), Segment("b", 1, 4)],
+                  rows(31, 12, 24))  # b skips position 3
+        return steps
+
+    keep = {"a": KEEP_X, "b": KEEP_X, "c": KEEP_X}
+    whole = store().take(["a", "b", "c"], keep, "cpu")["x"]
+    for index, tag in enumerate("abc"):
+        alone = store().take([tag], keep, "cpu")["x"]
+        width = alone.values.shape[1]
+        assert alone.values[0].tolist() == whole.values[index, :width].tolist(), tag
+        assert alone.spans == [whole.spans[index]], tag
+    assert store().take(["a"], keep, "cpu")["x"].values.squeeze(-1).tolist() == [[10, 11, 12]]
+
+
+def test_forgotten_requests_leave_no_step_behind():
+    steps = StepStore()
+    steps.add("x", [Segment("a", 1, 0), Segment("b", 1, 0)], rows(1, 2))
+    steps.add("x", [Segment("b", 1, 1)], rows(3))
+    for index in range(6):  # other requests' steps
+        steps.add("x", [Segment(f"r{index}", 1, 0)], rows(index))
+    steps.forget(["b"])
+    assert steps.take(["a"], {"a": KEEP_X}, "cpu")["x"].values.squeeze(-1).tolist() == [[1]]
+    steps.forget(["a", "r0", "r1"])
+    held = [segments for segments, _ in steps.entries["x"]]
+    assert all(any(s.tag.startswith("r") for s in segments) for segments in held)
+    assert len(held) == 4

@@ -346,18 +346,22 @@ class WorkerCall:
 
     def __init__(self, method: str, args: tuple) -> None:
         self.label = f"{os.getpid()}-{next(_rpc_ids)}"
+        self.read = False
         self.arguments = (
             method, shared_tensors.dumps_arguments(args), self.label, shared_tensors.this_machine()
         )
 
     def results(self, returned: Sequence[bytes]) -> list[Any]:
-        return shared_tensors.loads(returned)
+        values = shared_tensors.loads(returned)
+        self.read = True  # every rank's files taken
+        return values
 
     def __enter__(self) -> WorkerCall:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        shared_tensors.remove_unread(self.label)
+        if not self.read:
+            shared_tensors.remove_unread(self.label)
 
 
 def greedy(max_new_tokens: int) -> Any:

@@ -216,7 +216,7 @@ class Planner:
             )
         check_steerable(name, self.specs[name])
         resolved = dataclasses.replace(steer, name=name)
-        resolved.terms(self.width(name))  # sizes checked here, before any request runs
+        resolved.check(self.width(name))  # before any request runs
         return resolved
 
     def _checked_sae_steer(self, steer: SAESteer) -> SAESteer:

@@ -77,16 +77,18 @@ def fingerprint(steers: tuple[AnySteer, ...]) -> str:
             digest.update(repr((features, steer.multipliers_and_offsets())).encode())
         else:
             for term in (steer.add, steer.ablate, steer.gain):
-                digest.update(_bytes(term))
+                _update(digest, term)
             digest.update(repr(steer.scale).encode())
         digest.update(repr(positions_as_data(steer.positions)).encode())
     return digest.hexdigest()[:32]
 
 
-def _bytes(term: Tensor | float | None) -> bytes:
+def _update(digest: Any, term: Tensor | float | None) -> None:
     if term is None:
-        return b"none"
-    if isinstance(term, Tensor):
+        digest.update(b"none")
+    elif isinstance(term, Tensor):
         flat = term.detach().to("cpu").contiguous().reshape(-1)
-        return f"{flat.dtype}{tuple(term.shape)}".encode() + flat.view(torch.uint8).numpy().tobytes()
-    return repr(float(term)).encode()
+        digest.update(f"{flat.dtype}{tuple(term.shape)}".encode())
+        digest.update(flat.view(torch.uint8).numpy())
+    else:
+        digest.update(repr(float(term)).encode())

@@ -528,7 +528,7 @@ class GraphSites:
                 for buffers in self.steering.values():
                     buffers.reset()
             else:  # requests overlap (a server): forget only what the finished ones held
-                self.call.store.forget_others(set(self.call.kept_names))
+                self.call.store.forget(tags)
 
     # ---- helpers -----------------------------------------------------------------------------
 

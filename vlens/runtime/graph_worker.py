@@ -23,7 +23,7 @@ import cloudpickle
 
 from vlens.runtime.graph import GraphName, install_graph_sites
 from vlens.runtime.graph_breaks import segment_graphs_at_hook_sites
-from vlens.runtime.inline import InlineSteering
+from vlens.runtime.inline import InlineRequests
 from vlens.runtime.worker import GRAPH_ATTRIBUTE, RUNTIME_ATTRIBUTE, runtime_of
 
 #: The environment variable naming the file of the graph names (set while an engine is built).
@@ -50,10 +50,10 @@ class InstallsGraphSites:
             segment_graphs_at_hook_sites()
 
     def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-        """vLLM's step, after following the served requests that carry their steers
+        """vLLM's step, after following the served requests that carry their plans
         (:mod:`vlens.runtime.inline`)."""
         runtime = getattr(self, RUNTIME_ATTRIBUTE, None)
-        if InlineSteering.carried(scheduler_output) or (runtime is not None and runtime.inline.tags):
+        if InlineRequests.carried(scheduler_output) or (runtime is not None and runtime.inline.tags):
             runtime_of(self).follow_inline(scheduler_output)
         return super().execute_model(scheduler_output, *args, **kwargs)  # type: ignore[misc]
 

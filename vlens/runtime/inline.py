@@ -1,18 +1,18 @@
-"""Steering that travels inside a served request, so that the workers need no call of their own.
+"""A served request's plan that travels inside the request, so that the workers need no call to
+start following it.
 
-A request that only steers, on a compiled engine (its steering applied by the graph, nothing
-captured, no hook function), needs nothing from the workers but its steers while it runs, and
-nothing back. The server puts them in the request's ``SamplingParams.extra_args`` under
-:data:`INLINE_KEY`, as plain data (numbers, strings, and vectors as float32 bytes: nothing is
-unpickled), and each worker takes them from the scheduler's new requests before the step that
-first runs the request, and forgets the request when the scheduler reports it finished
-(:class:`InlineSteering`). Requests that capture keep the server's calls to the workers, which
-hand their rows back.
+A request on a compiled engine that only steers (its steering applied by the graph) and captures
+only traced names (no hook function, no attention computed for it) needs nothing from the workers
+but its plan while it runs. The server puts the plan in the request's
+``SamplingParams.extra_args`` under :data:`INLINE_KEY`, as plain data (numbers, strings, and
+vectors as float32 bytes: nothing is unpickled), and each worker takes it from the scheduler's new
+requests before the step that first runs the request (:class:`InlineRequests`). A request that
+only steers is forgotten when the scheduler reports it finished: it needs no call at all. A
+request that captures is finished by the server's one call, which hands its rows back.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -27,18 +27,26 @@ from vlens.runtime.steering import (
     positions_from_data,
 )
 
-#: The ``extra_args`` key of a request's steers (the routes refuse it from clients).
-INLINE_KEY = "vlens_steering"
+#: The ``extra_args`` key of a request's plan (the routes refuse it from clients).
+INLINE_KEY = "vlens_plan"
 
 
-def encode(steers: Sequence[AnySteer]) -> list[dict[str, Any]]:
-    """``steers`` as plain data that vLLM's request serialisation carries."""
-    return [_encode_one(steer) for steer in steers]
+def carried(plan: RequestPlan) -> bool:
+    """Whether a served request of ``plan`` can carry it (on a compiled engine)."""
+    return not plan.sites and not plan.attention and bool(plan.steering or plan.graph_keep)
 
 
-def decode(value: list[dict[str, Any]]) -> tuple[AnySteer, ...]:
-    """The steers :func:`encode` wrote."""
-    return tuple(_decode_one(entry) for entry in value)
+def encode(plan: RequestPlan) -> dict[str, Any]:
+    """``plan`` (one that :func:`carried` accepts) as plain data that vLLM's request
+    serialisation carries."""
+    return {"steering": [_encode_one(steer) for steer in plan.steering],
+            "keep": sorted(plan.graph_keep)}
+
+
+def decode(value: dict[str, Any]) -> RequestPlan:
+    """The plan :func:`encode` wrote."""
+    steering = tuple(_decode_one(entry) for entry in value["steering"])
+    return RequestPlan(0, {}, graph_keep=frozenset(value["keep"]), steering=steering)
 
 
 def _encode_one(steer: AnySteer) -> dict[str, Any]:
@@ -75,33 +83,42 @@ def _tensor(value: bytes | None) -> Tensor | None:
     return torch.frombuffer(bytearray(value), dtype=torch.float32)
 
 
-class InlineSteering:
-    """A worker's part: the requests it follows from their inline steers, by vLLM request id."""
+class InlineRequests:
+    """A worker's part: the requests it follows from the plans they carry, by vLLM request id."""
 
     def __init__(self) -> None:
         self.tags: dict[str, str] = {}
+        #: the tags of those that capture: the server's call finishes them, handing back rows
+        self.handed_back: set[str] = set()
 
     @staticmethod
     def carried(scheduler_output: Any) -> bool:
-        """Whether a step's scheduler output holds any new request with inline steers."""
+        """Whether a step's scheduler output holds any new request that carries its plan."""
         return any(
             INLINE_KEY in (getattr(new.sampling_params, "extra_args", None) or {})
             for new in scheduler_output.scheduled_new_reqs
         )
 
     def new_plans(self, scheduler_output: Any, tag_of: Any) -> dict[str, RequestPlan]:
-        """The plans of the step's new requests that carry steers, by tag."""
+        """The plans of the step's new requests that carry them, by tag."""
         plans = {}
         for new in scheduler_output.scheduled_new_reqs:
             extra = getattr(new.sampling_params, "extra_args", None) or {}
             if INLINE_KEY not in extra or new.req_id in self.tags:
                 continue
             tag = tag_of(new.sampling_params)
+            plan = decode(extra[INLINE_KEY])
             self.tags[new.req_id] = tag
-            plans[tag] = RequestPlan(0, {}, steering=decode(extra[INLINE_KEY]))
+            if plan.graph_keep:
+                self.handed_back.add(tag)
+            plans[tag] = plan
         return plans
 
     def finished(self, scheduler_output: Any) -> list[str]:
-        """The tags of the inline requests the scheduler reports finished (or aborted)."""
-        return [self.tags.pop(req_id) for req_id in scheduler_output.finished_req_ids
+        """The tags of the requests the scheduler reports finished (or aborted) that nothing
+        hands back: to be forgotten now."""
+        tags = [self.tags.pop(req_id) for req_id in scheduler_output.finished_req_ids
                 if req_id in self.tags]
+        forget = [tag for tag in tags if tag not in self.handed_back]
+        self.handed_back.difference_update(tags)
+        return forget

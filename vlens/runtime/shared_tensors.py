@@ -30,6 +30,7 @@ process has let go of it (:func:`collect_handed_back`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import glob
 import io
 import os
@@ -58,6 +59,7 @@ SHARED_MEMORY = "/dev/shm"
 _PREFIX = "vlens-rows-"
 
 
+@functools.cache
 def this_machine() -> str:
     """What tells a machine (and a container, which has a /dev/shm of its own) from another."""
     try:
@@ -172,8 +174,13 @@ class _SharingPickler(_ArrayPickler):
         if nbytes < MIN_SHARED_BYTES or obj.requires_grad:
             return None
         path = os.path.join(_folder_for(nbytes), f"{_PREFIX}{self.call}-{uuid.uuid4().hex}")
-        shared = torch.from_file(path, shared=True, size=obj.numel(), dtype=obj.dtype)
-        shared.view(obj.shape).copy_(obj)
+        # Written, not mapped and copied into: torch would copy on all its threads, each
+        # faulting in pages of the new file (a server's engine process hands back one capture
+        # per request)
+        raw = obj.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
+        raw = raw.view(torch.uint8).numpy()
+        with open(path, "wb") as file:
+            file.write(memoryview(raw))
         _forget_read()
         _written.add(path)
         return ("shared-tensor", path, str(obj.dtype).removeprefix("torch."), tuple(obj.shape))

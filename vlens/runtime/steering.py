@@ -69,6 +69,23 @@ class Steer:
             ablate = ablate / norm
         return add, gain, ablate
 
+    def check(self, width: int) -> None:
+        """Raise what :meth:`terms` would for ``width``, without building the terms (a server
+        checks every request's steers)."""
+        for field in ("add", "gain", "ablate"):
+            value = getattr(self, field)
+            if value is None or (field == "gain" and not isinstance(value, Tensor)):
+                continue
+            if not isinstance(value, Tensor):
+                raise TypeError(f"Steer({self.name!r}).{field} must be a tensor")
+            if value.numel() != width:
+                raise ValueError(
+                    f"Steer({self.name!r}).{field} has {value.numel()} elements; {self.name} has "
+                    f"{width} per position"
+                )
+        if self.ablate is not None and not bool(self.ablate.detach().any()):
+            raise ValueError(f"Steer({self.name!r}): the ablate direction is zero")
+
     def _flat(self, field: str, value: Tensor | float | None, width: int, neutral: float) -> Tensor:
         if value is None:
             return torch.full((width,), neutral)

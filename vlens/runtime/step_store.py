@@ -11,6 +11,7 @@ one transfer per name into pinned memory and never copies the values again.
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -49,15 +50,35 @@ class StepRuns(NamedTuple):
 
 
 class StepStore:
-    """Each name's kept rows, step after step, with whose rows they are."""
+    """Each name's kept rows, step after step, with whose rows they are.
+
+    Each request's own runs of rows are noted too (which step, where in it), so that a server,
+    which takes one finished request at a time out of the steps of every request still running,
+    reads only that request's rows rather than laying out every step's; and a step is dropped
+    once every request with rows in it is forgotten."""
 
     def __init__(self) -> None:
         self.entries: dict[str, list[tuple[list[Segment], Tensor]]] = defaultdict(list)
+        #: tag -> its runs, in step order: (the step's segments' id, offset in it, first
+        #: position, length)
+        self._runs: dict[str, list[tuple[int, int, int, int]]] = defaultdict(list)
+        #: a step's segments' id -> how many of them belong to requests not yet forgotten
+        self._live: dict[int, int] = {}
+        self._dead: set[int] = set()  # steps no request needs, still in ``entries``
 
     def add(self, name: str, segments: list[Segment], rows: Tensor) -> None:
         """One step's rows of ``name``: the segments' rows, one after the other. Names read in
         the same step may share one ``segments`` list (its layout is then worked out once)."""
         self.entries[name].append((segments, rows))
+        step = id(segments)
+        if step not in self._live:
+            self._live[step] = len(segments)
+            offset = 0
+            for segment in segments:
+                self._runs[segment.tag].append(
+                    (step, offset, segment.first_position, segment.length)
+                )
+                offset += segment.length
 
     def take(
         self, tags: Sequence[str], kept_names: Mapping[str, frozenset[str]], device: str
@@ -68,38 +89,96 @@ class StepStore:
         layouts: dict[tuple, _Layout] = {}
         taken: dict[str, PaddedRows] = {}
         destination = torch.device(device)
-        from_gpu = False
-        for name, steps in self.entries.items():
-            keepers = frozenset(index_of[tag] for tag in tags if name in kept_names.get(tag, ()))
-            if not keepers:
+        first = next((steps[0][1] for steps in self.entries.values()), None)
+        side = None
+        if first is not None and first.is_cuda and destination.type == "cpu":
+            side = _copy_stream(first.device)
+        if 2 * len(tags) <= len(self._runs):  # a few requests out of many: their runs only
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                taken = self._take_runs(tags, kept_names, destination)
+            if side is not None:
+                side.synchronize()
+            return taken
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            for name, steps in self.entries.items():
+                keepers = frozenset(
+                    index_of[tag] for tag in tags if name in kept_names.get(tag, ())
+                )
+                if not keepers:
+                    continue
+                key = (tuple(id(segments) for segments, _ in steps), keepers)
+                if key not in layouts:
+                    layouts[key] = _Layout.of(steps, index_of, keepers, len(tags))
+                layout = layouts[key]
+                taken[name] = PaddedRows(layout.scatter(steps, destination), layout.spans)
+        if side is not None:
+            side.synchronize()  # the pinned copies of :func:`_moved`
+        return taken
+
+    def _take_runs(
+        self, tags: Sequence[str], kept_names: Mapping[str, frozenset[str]],
+        destination: torch.device,
+    ) -> dict[str, PaddedRows]:
+        """:meth:`take` from the requests' own runs."""
+        taken: dict[str, PaddedRows] = {}
+        names = sorted(set().union(*(kept_names.get(tag, frozenset()) for tag in tags)))
+        for name in names:
+            rows_of = {id(segments): rows for segments, rows in self.entries.get(name, ())}
+            pieces: list[Tensor] = []
+            requests: list[int] = []
+            lengths: list[int] = []
+            firsts: list[int] = []
+            for index, tag in enumerate(tags):
+                if name not in kept_names.get(tag, ()):
+                    continue
+                for step, offset, first, length in self._runs.get(tag, ()):
+                    if step in rows_of:
+                        pieces.append(rows_of[step][offset : offset + length])
+                        requests.append(index)
+                        lengths.append(length)
+                        firsts.append(first)
+            if not pieces:
                 continue
-            key = (tuple(id(segments) for segments, _ in steps), keepers)
-            if key not in layouts:
-                layouts[key] = _Layout.of(steps, index_of, keepers, len(tags))
-            layout = layouts[key]
-            taken[name] = PaddedRows(layout.scatter(steps, destination), layout.spans)
-            from_gpu |= steps[0][1].is_cuda and destination.type == "cpu"
-        if from_gpu:
-            torch.cuda.synchronize()  # the pinned copies of :func:`_moved`
+            runs = StepRuns(*(np.array(v, dtype=np.int64) for v in (requests, lengths, firsts)))
+            keepers = frozenset(requests)
+            held = _HeldRows.of_runs(runs, keepers, len(tags))
+            layout = _Layout(
+                len(tags), held.width,
+                None if held.whole else row_index(held.start, held.length),
+                row_index(held.request * held.width + held.first, held.length),
+                held.spans(len(tags)),
+            )
+            taken[name] = PaddedRows(
+                layout.scatter([(None, piece) for piece in pieces], destination), layout.spans
+            )
         return taken
 
     def clear(self) -> None:
         self.entries.clear()
+        self._runs.clear()
+        self._live.clear()
+        self._dead.clear()
 
-    def forget_others(self, tags: set[str]) -> None:
-        """Forget the steps none of whose rows belong to ``tags`` (the requests still running):
-        where requests keep arriving, the store never empties, and finished requests' steps
-        would otherwise stay."""
-        alive: dict[int, bool] = {}  # per segments list: names read in one step share theirs
+    def forget(self, tags: Sequence[str]) -> None:
+        """Forget these requests, and the steps no request left needs: where requests keep
+        arriving (a server) the store never empties, and finished requests' steps would
+        otherwise stay. Dropping dead steps walks every name's steps, so it waits until they
+        are a quarter of the steps held."""
+        for tag in tags:
+            for step, *_ in self._runs.pop(tag, ()):
+                self._live[step] -= 1
+                if not self._live[step]:
+                    del self._live[step]
+                    self._dead.add(step)
+        if 4 * len(self._dead) < len(self._live) + len(self._dead):
+            return
         for name, steps in list(self.entries.items()):
-            for segments, _ in steps:
-                if id(segments) not in alive:
-                    alive[id(segments)] = any(segment.tag in tags for segment in segments)
-            live = [step for step in steps if alive[id(step[0])]]
+            live = [step for step in steps if id(step[0]) not in self._dead]
             if live:
                 self.entries[name] = live
             else:
                 del self.entries[name]
+        self._dead.clear()
 
 
 @dataclass
@@ -262,6 +341,20 @@ def _spans(
     ):
         spans[owner].append((run_first, run_length))
     return spans
+
+
+_copy_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream that takes finished requests' rows off a GPU. The steps that wrote them are
+    done (their requests' last tokens came back, copied after them on the compute stream), so
+    the copies need not wait for whatever steps the compute stream has queued since, as a
+    ``torch.cuda.synchronize()`` would (under vLLM's asynchronous scheduling, the next step): a
+    server takes each capturing request's rows while others run."""
+    if device not in _copy_streams:
+        _copy_streams[device] = torch.cuda.Stream(device=device)
+    return _copy_streams[device]
 
 
 def _moved(value: Tensor, device: torch.device) -> Tensor:

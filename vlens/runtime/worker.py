@@ -40,7 +40,7 @@ from vlens.runtime.batches import (
 from vlens.runtime.graph import GraphSites
 from vlens.runtime.hooks import refuse_part_of_a_prefill, run_hooks, run_hooks_together
 from vlens.runtime.host_stream import Slot
-from vlens.runtime.inline import InlineSteering
+from vlens.runtime.inline import InlineRequests
 from vlens.runtime.layout import (
     Followed,
     RequestRows,
@@ -118,14 +118,14 @@ class WorkerRuntime:
         self._fired_in_graph: dict[Site, Callable[[tuple, dict, Any], None]] = {}
         if graph is not None:
             graph.run_hook_site = self._graph_hook_site_fired
-        #: served requests whose steers came inside the request (no call of their own)
-        self.inline = InlineSteering()
+        #: served requests whose plans came inside the request (no call to start them)
+        self.inline = InlineRequests()
         self._wrap_model_forward()
         apply_cpu_patches(self.model)
 
     def follow_inline(self, scheduler_output: Any) -> None:
-        """Before a step: forget the served requests that steered inline and finished, and
-        follow the new ones (:mod:`vlens.runtime.inline`)."""
+        """Before a step: forget the served requests that carried their plans, finished, and
+        hand nothing back; follow the new ones (:mod:`vlens.runtime.inline`)."""
         finished = self.inline.finished(scheduler_output)
         if finished:
             self.finish(finished)
@@ -171,7 +171,9 @@ class WorkerRuntime:
 
     def finish(self, tags: list[str], device: str = "cpu") -> Handback:
         """Hand back (on ``device``) and forget what these requests captured; drop sites nobody
-        needs now. The requests are forgotten even when handing back fails."""
+        needs now. The requests are forgotten even when handing back fails. A tag not followed
+        (a served request that carried its plan and never ran) has nothing to hand back."""
+        tags = [tag for tag in tags if tag in self.captures]
         captures = {tag: self.captures.pop(tag) for tag in tags}
         kept_names = {tag: self.wanted[tag].kept_names() for tag in tags if tag in self.wanted}
         try:
@@ -206,7 +208,7 @@ class WorkerRuntime:
                         del self.followed[req_id]
                 for tag in tags:
                     self.furthest.pop(tag, None)
-                self.store.forget_others(set(self.wanted))
+                self.store.forget(tags)
 
     def _activate_graph_hook_sites(self) -> None:
         """Let the graph's hook sites that the requests being served need call in; the others
@@ -263,7 +265,8 @@ class WorkerRuntime:
         installed: all zero once every request has finished (the server's status)."""
         graph = len(self.graph.call.kept_names) if self.graph is not None else 0
         return {"requests": len(self.wanted), "captures": len(self.captures),
-                "sites": len(self.handles), "graph_requests": graph}
+                "sites": len(self.handles), "graph_requests": graph,
+                "inline_requests": len(self.inline.tags)}
 
     def module_tree(self) -> str:
         return repr(self.model)

@@ -4,10 +4,11 @@ vLLM's OpenAI handlers turn a request into sampling parameters and call the engi
 ``generate``. The server's routes (:mod:`vlens.serve.routes`) read and plan the ``vlens`` object
 and admit the plan here, under a ticket that travels to ``generate`` in ``vllm_xargs`` (a short
 string: the object itself, vectors of thousands of numbers, would be written to JSON and read back
-for every request). ``generate`` takes the plan by its ticket, prepares every worker for it (the
-same worker calls ``HookedVLLM`` makes), tags the request, passes it on to vLLM's own client, and
-when it finishes fetches what was captured and keeps it in the activation store. Requests without
-a ticket pass straight through.
+for every request). ``generate`` takes the plan by its ticket, tags the request, starts every worker
+on it (inside the request where the graph does all it asks, :mod:`vlens.runtime.inline`; else
+with the worker call ``HookedVLLM`` makes), passes it on to vLLM's own client, and when it
+finishes fetches what was captured (one call) and keeps it in the activation store. Requests
+without a ticket pass straight through.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import asyncio
 import copy
 import itertools
 import uuid
+from collections import Counter
 from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -72,6 +74,8 @@ class VlensEngineClient:
         self.captured: dict[str, Captured] = {}
         #: ticket -> the plan of an HTTP request being served (its prompts share it)
         self.tickets: dict[str, Planned] = {}
+        #: calls of the workers so far, by method
+        self.worker_calls: Counter[str] = Counter()
 
     def admit(self, planned: Planned) -> str:
         """A ticket for ``planned``, valid until :meth:`release`: random, so that no client can
@@ -126,16 +130,20 @@ class VlensEngineClient:
         tag = f"serve-{next(_serial)}:0"
         sampling_params.extra_args = {**sampling_params.extra_args, TAG_KEY: tag}
         prompt = with_cache_use(prompt, sampling_params, cache_use(planned.plan))
-        if planned.inline is not None:  # the workers take its steers from the request itself
+        if planned.inline is not None:  # the workers take its plan from the request itself
             sampling_params.extra_args[INLINE_KEY] = planned.inline
-            async for output in self._engine.generate(
-                prompt, sampling_params, request_id, *args, **kwargs
-            ):
-                yield output
-            return
-        # A client that leaves cancels this task: the workers still finish what they were asked,
-        # and forget the request (shielded: the calls go on while the task is cancelled).
-        prepared = asyncio.ensure_future(self._on_workers("prepare", {tag: planned.plan}))
+            if not planned.plan.graph_keep:  # and forget it when it finishes: no call at all
+                async for output in self._engine.generate(
+                    prompt, sampling_params, request_id, *args, **kwargs
+                ):
+                    yield output
+                return
+            prepared: asyncio.Future = asyncio.get_running_loop().create_future()
+            prepared.set_result(None)
+        else:
+            # A client that leaves cancels this task: the workers still finish what they were
+            # asked, and forget the request (shielded: the calls go on while it is cancelled).
+            prepared = asyncio.ensure_future(self._on_workers("prepare", {tag: planned.plan}))
         deltas = sampling_params.output_kind == RequestOutputKind.DELTA  # streamed: new tokens only
         prompt_tokens: list[int] | None = None
         sampled: list[int] = []
@@ -234,17 +242,19 @@ class VlensEngineClient:
     async def status(self) -> dict[str, Any]:
         """What the server holds now: the activation store, captures whose response was never
         written, admitted plans, and what each worker follows (all zero on an idle server, but
-        the store's unfetched captures)."""
+        the store's unfetched captures); and how many times it called the workers, by method."""
         return {
             "store": self.store.status(),
             "unclaimed_captures": len(self.captured),
             "tickets": len(self.tickets),
+            "worker_calls": dict(self.worker_calls),
             "workers": await self._on_workers("holds"),
         }
 
     async def _on_workers(self, method: str, *args: Any) -> list[Any]:
         """``WorkerRuntime.<method>(*args)`` on every worker (as ``Engine._on_workers`` does for
         worker processes): one result per rank."""
+        self.worker_calls[method] += 1
         with WorkerCall(method, args) as call:
             return call.results(await self._engine.collective_rpc("vlens_call", args=call.arguments))
 

@@ -22,7 +22,7 @@ from vlens.engine.link import Run
 from vlens.hooked.model import HookedVLLM, checkpoint_of
 from vlens.names.compiled import CompiledNames
 from vlens.names.resolve import select_names
-from vlens.runtime.inline import encode
+from vlens.runtime.inline import carried, encode
 from vlens.runtime.messages import Handback, HookError, RequestPlan
 from vlens.serve.fields import BadVlensField, VlensFields
 
@@ -34,9 +34,9 @@ class Planned:
     plan: RequestPlan
     names: tuple[str, ...]
     kept: tuple[str, ...]
-    #: its steers as the request carries them to the workers (:mod:`vlens.runtime.inline`),
-    #: where steering in the graph is all it asks; None: the server calls the workers for it
-    inline: list | None = None
+    #: the plan as the request carries it to the workers (:mod:`vlens.runtime.inline`), where
+    #: the graph does all it asks; None: the server calls the workers to start it
+    inline: dict | None = None
 
 
 class _EngineElsewhere:
@@ -93,11 +93,7 @@ class ServedModel:
         except (KeyError, ValueError, TypeError, NotImplementedError) as error:
             message = error.args[0] if isinstance(error, KeyError) and error.args else str(error)
             raise BadVlensField(str(message)) from None
-        steers_only = (
-            self.compiled is not None and plan.steering and not plan.sites and not plan.graph_keep
-            and not plan.attention
-        )
-        inline = encode(plan.steering) if steers_only else None
+        inline = encode(plan) if self.compiled is not None and carried(plan) else None
         return Planned(plan, tuple(names), tuple(kept), inline)
 
     def activations(

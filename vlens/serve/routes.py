@@ -28,6 +28,7 @@ from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
 from vlens.runtime.inline import INLINE_KEY
 from vlens.runtime.messages import TAG_KEY
+from vlens.serve.body import VlensRoute, vlens_field
 from vlens.serve.engine_client import FIELDS_KEY, VlensEngineClient, sample_key
 from vlens.serve.fields import BadVlensField, read_fields
 
@@ -64,8 +65,10 @@ class VlensRoutes:
             ours = route.path in handlers if isinstance(route, APIRoute) else False
             if ours and route.methods == {"POST"}:
                 SERVING.originals[route.path] = route.endpoint
-                app.add_api_route(route.path, handlers[route.path], methods=["POST"],
-                                  dependencies=list(route.dependencies))
+                app.router.add_api_route(
+                    route.path, handlers[route.path], methods=["POST"],
+                    dependencies=list(route.dependencies), route_class_override=VlensRoute,
+                )
                 # In the original's place (vLLM 0.26 would keep the first of two routes)
                 app.router.routes[index] = app.router.routes.pop()
         if COMPLETIONS not in SERVING.originals:  # vlens fields would be silently ignored
@@ -111,8 +114,7 @@ async def _with_vlens_fields(path: str, request: Any, raw_request: Request) -> R
     if reserved:  # a request must not pose as another one's rows
         message = f"vllm_xargs: {reserved} are reserved by vlens; use the vlens field"
         return _error(400, message, "vllm_xargs")
-    extra = request.model_extra if request.model_extra is not None else {}
-    value = with_steered_model(extra.pop("vlens", None), client.steered_models.get(request.model))
+    value = with_steered_model(vlens_field(raw_request), client.steered_models.get(request.model))
     original = SERVING.originals[path]
     if value is None:
         return await original(request=request, raw_request=raw_request)
