@@ -71,7 +71,9 @@ class StepStore:
         the same step may share one ``segments`` list (its layout is then worked out once)."""
         self.entries[name].append((segments, rows))
         step = id(segments)
-        if step not in self._live:
+        if not segments:  # nobody's rows: nothing will ever take it
+            self._dead.add(step)
+        elif step not in self._live:
             self._live[step] = len(segments)
             offset = 0
             for segment in segments:
