@@ -5,6 +5,10 @@ that name the declaration to add."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pandas as pd
 import pytest
 import torch
@@ -258,3 +262,30 @@ def test_declarations_take_glob_patterns():
     assert {"blocks.0.hook_resid_pre", "blocks.0.hook_resid_mid"} <= declared.capture
     with pytest.raises(ValueError, match="matches none"):
         declare(specs, config, [], [], None, hooks=["blocks.*.hook_nothing"])
+
+
+AFTER_AN_EAGER_ENGINE = """
+import json
+from vlens import HookedVLLM
+from vlens.testing import tiny_model
+path, prompt = tiny_model("llama"), "hello world, this is a test"
+tokens = {}
+for label, names in (("eager", ()), ("compiled", ["blocks.1.attn.hook_pattern"])):
+    model = HookedVLLM.from_pretrained(path, compiled_hooks=names)
+    tokens[label] = model.generate(prompt, max_new_tokens=6, do_sample=False,
+                                   return_type="tokens")
+print(json.dumps(tokens))
+"""
+
+
+def test_a_compiled_engine_built_after_an_eager_one_computes_its_own_tokens():
+    """vLLM hands every engine of a process the rotary embeddings of the first one built; an
+    eager engine's, inside a compiled graph with an attention call site, computed wrong tokens
+    (token 0 after the prompt). In a process of its own: the engines built before in the suite's
+    process would decide what this one is handed."""
+    done = subprocess.run([sys.executable, "-c", AFTER_AN_EAGER_ENGINE], capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    tokens = json.loads(done.stdout.strip().splitlines()[-1])
+    assert tokens["compiled"] == tokens["eager"]
+    assert 0 not in tokens["compiled"][0][1:]

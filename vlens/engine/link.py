@@ -82,6 +82,7 @@ class Engine:
         # An engine already built in this process froze vLLM's view of the environment; the
         # settings above are for this engine.
         envs.disable_envs_cache()
+        own_rotary_embeddings()
         ensure_expert_group()
         with (
             graph_names_for_workers(graph_names) as graph_args,
@@ -439,6 +440,20 @@ def cores_per_rank(ranks: int) -> str:
 
 
 _live_engines = 0
+
+
+def own_rotary_embeddings() -> None:
+    """Let the engine about to be built make its own rotary embeddings. vLLM keeps one module
+    per rotary configuration for the whole process (``get_rope``'s cache) and hands it to every
+    engine built after: that engine then runs the first one's module, whose forward was chosen
+    for the first one's compilation settings. An eager engine's choice (vLLM's C++ kernel)
+    inside a compiled graph with an attention call site (``compiled_hooks``) computed wrong
+    tokens on this CPU. The engines already built keep the modules they hold."""
+    try:
+        from vllm.model_executor.layers import rotary_embedding
+    except ImportError:  # another vLLM layout
+        return
+    getattr(rotary_embedding, "_ROPE_DICT", {}).clear()
 
 
 def keep_process_state_while_others_run(llm: Any) -> None:
