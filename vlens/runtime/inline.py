@@ -88,8 +88,6 @@ class InlineRequests:
 
     def __init__(self) -> None:
         self.tags: dict[str, str] = {}
-        #: the tags of those that capture: the server's call finishes them, handing back rows
-        self.handed_back: set[str] = set()
 
     @staticmethod
     def carried(scheduler_output: Any) -> bool:
@@ -107,18 +105,11 @@ class InlineRequests:
             if INLINE_KEY not in extra or new.req_id in self.tags:
                 continue
             tag = tag_of(new.sampling_params)
-            plan = decode(extra[INLINE_KEY])
             self.tags[new.req_id] = tag
-            if plan.graph_keep:
-                self.handed_back.add(tag)
-            plans[tag] = plan
+            plans[tag] = decode(extra[INLINE_KEY])
         return plans
 
     def finished(self, scheduler_output: Any) -> list[str]:
-        """The tags of the requests the scheduler reports finished (or aborted) that nothing
-        hands back: to be forgotten now."""
-        tags = [self.tags.pop(req_id) for req_id in scheduler_output.finished_req_ids
+        """The tags of the requests the scheduler reports finished (or aborted)."""
+        return [self.tags.pop(req_id) for req_id in scheduler_output.finished_req_ids
                 if req_id in self.tags]
-        forget = [tag for tag in tags if tag not in self.handed_back]
-        self.handed_back.difference_update(tags)
-        return forget

@@ -102,9 +102,14 @@ def _as_array(obj: Any) -> Any:
         return NotImplemented
     if obj.requires_grad or obj.is_quantized:
         return NotImplemented
-    plain = obj.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
     dtype_name = str(obj.dtype).removeprefix("torch.")
-    return rebuilt_tensor, (plain.view(torch.uint8).numpy(), dtype_name, tuple(obj.shape))
+    return rebuilt_tensor, (_raw_bytes(obj), dtype_name, tuple(obj.shape))
+
+
+def _raw_bytes(obj: Tensor) -> np.ndarray:
+    """A CPU tensor's values as a flat numpy array of their bytes (any dtype, numpy's or not)."""
+    plain = obj.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
+    return plain.view(torch.uint8).numpy()
 
 
 class _ArrayPickler(pickle.Pickler):
@@ -177,10 +182,8 @@ class _SharingPickler(_ArrayPickler):
         # Written, not mapped and copied into: torch would copy on all its threads, each
         # faulting in pages of the new file (a server's engine process hands back one capture
         # per request)
-        raw = obj.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
-        raw = raw.view(torch.uint8).numpy()
         with open(path, "wb") as file:
-            file.write(memoryview(raw))
+            file.write(memoryview(_raw_bytes(obj)))
         _forget_read()
         _written.add(path)
         return ("shared-tensor", path, str(obj.dtype).removeprefix("torch."), tuple(obj.shape))

@@ -74,32 +74,27 @@ class Steer:
         checks every request's steers)."""
         for field in ("add", "gain", "ablate"):
             value = getattr(self, field)
-            if value is None or (field == "gain" and not isinstance(value, Tensor)):
-                continue
-            if not isinstance(value, Tensor):
-                raise TypeError(f"Steer({self.name!r}).{field} must be a tensor")
-            if value.numel() != width:
-                raise ValueError(
-                    f"Steer({self.name!r}).{field} has {value.numel()} elements; {self.name} has "
-                    f"{width} per position"
-                )
+            if value is not None and (field != "gain" or isinstance(value, Tensor)):
+                self._check_size(field, value, width)
         if self.ablate is not None and not bool(self.ablate.detach().any()):
             raise ValueError(f"Steer({self.name!r}): the ablate direction is zero")
 
     def _flat(self, field: str, value: Tensor | float | None, width: int, neutral: float) -> Tensor:
         if value is None:
             return torch.full((width,), neutral)
-        if not isinstance(value, Tensor):
-            if field != "gain":
-                raise TypeError(f"Steer({self.name!r}).{field} must be a tensor")
+        if not isinstance(value, Tensor) and field == "gain":
             return torch.full((width,), float(value))
-        flat = value.detach().to("cpu", torch.float32).reshape(-1)
-        if flat.numel() != width:
+        self._check_size(field, value, width)
+        return value.detach().to("cpu", torch.float32).reshape(-1)
+
+    def _check_size(self, field: str, value: object, width: int) -> None:
+        if not isinstance(value, Tensor):
+            raise TypeError(f"Steer({self.name!r}).{field} must be a tensor")
+        if value.numel() != width:
             raise ValueError(
-                f"Steer({self.name!r}).{field} has {flat.numel()} elements; {self.name} has "
+                f"Steer({self.name!r}).{field} has {value.numel()} elements; {self.name} has "
                 f"{width} per position"
             )
-        return flat
 
 
 def check_positions(positions: Positions, where: str) -> None:

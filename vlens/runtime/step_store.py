@@ -87,34 +87,37 @@ class StepStore:
     ) -> dict[str, PaddedRows]:
         """Every name some of ``tags`` keep (``kept_names[tag]``), as :class:`PaddedRows` on
         ``device`` whose request ``i`` is ``tags[i]``."""
-        index_of = {tag: index for index, tag in enumerate(tags)}
-        layouts: dict[tuple, _Layout] = {}
-        taken: dict[str, PaddedRows] = {}
         destination = torch.device(device)
         first = next((steps[0][1] for steps in self.entries.values()), None)
         side = None
         if first is not None and first.is_cuda and destination.type == "cpu":
             side = _copy_stream(first.device)
-        if 2 * len(tags) <= len(self._runs):  # a few requests out of many: their runs only
-            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-                taken = self._take_runs(tags, kept_names, destination)
-            if side is not None:
-                side.synchronize()
-            return taken
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            for name, steps in self.entries.items():
-                keepers = frozenset(
-                    index_of[tag] for tag in tags if name in kept_names.get(tag, ())
-                )
-                if not keepers:
-                    continue
-                key = (tuple(id(segments) for segments, _ in steps), keepers)
-                if key not in layouts:
-                    layouts[key] = _Layout.of(steps, index_of, keepers, len(tags))
-                layout = layouts[key]
-                taken[name] = PaddedRows(layout.scatter(steps, destination), layout.spans)
+            if 2 * len(tags) <= len(self._runs):  # a few requests out of many: their runs only
+                taken = self._take_runs(tags, kept_names, destination)
+            else:
+                taken = self._take_steps(tags, kept_names, destination)
         if side is not None:
             side.synchronize()  # the pinned copies of :func:`_moved`
+        return taken
+
+    def _take_steps(
+        self, tags: Sequence[str], kept_names: Mapping[str, frozenset[str]],
+        destination: torch.device,
+    ) -> dict[str, PaddedRows]:
+        """:meth:`take` from every step held, each name's steps laid out at once."""
+        index_of = {tag: index for index, tag in enumerate(tags)}
+        layouts: dict[tuple, _Layout] = {}
+        taken: dict[str, PaddedRows] = {}
+        for name, steps in self.entries.items():
+            keepers = frozenset(index_of[tag] for tag in tags if name in kept_names.get(tag, ()))
+            if not keepers:
+                continue
+            key = (tuple(id(segments) for segments, _ in steps), keepers)
+            if key not in layouts:
+                layouts[key] = _Layout.of(steps, index_of, keepers, len(tags))
+            layout = layouts[key]
+            taken[name] = PaddedRows(layout.scatter(steps, destination), layout.spans)
         return taken
 
     def _take_runs(

@@ -126,7 +126,10 @@ class WorkerRuntime:
     def follow_inline(self, scheduler_output: Any) -> None:
         """Before a step: forget the served requests that carried their plans, finished, and
         hand nothing back; follow the new ones (:mod:`vlens.runtime.inline`)."""
-        finished = self.inline.finished(scheduler_output)
+        # one that captures is finished by the server's call, which hands its rows back (and
+        # may have come first)
+        finished = [tag for tag in self.inline.finished(scheduler_output)
+                    if tag in self.wanted and not self.wanted[tag].graph_keep]
         if finished:
             self.finish(finished)
         plans = self.inline.new_plans(scheduler_output, tag_of)

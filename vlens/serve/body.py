@@ -5,8 +5,8 @@ FastAPI reads a route's JSON body with ``json.loads``, whose float parsing costs
 the API process's time, which bounds the throughput of every request. A body msgspec refuses
 (``NaN``, lone surrogates, numbers out of its range) is read by ``json.loads`` after all, so any
 body is read as FastAPI would, errors included. The ``vlens`` object is taken out before vLLM's
-request model validates the rest (which would log it, on every request, as an ignored field)
-and kept in the request's state, :data:`FIELD`.
+request model validates the rest (which would keep it as an extra field and list it, at debug
+level, among the fields it ignores) and kept in the request's state, :data:`FIELD`.
 """
 
 from __future__ import annotations
