@@ -1,5 +1,5 @@
 """What the hand-back of kept rows from another process's GPU costs, piece by piece (the
-tensor-parallel path of ``vlens.runtime.shared_tensors``): a worker process allocates ``--names``
+tensor-parallel path of ``vlens.runtime.transfer.shared_tensors``): a worker process allocates ``--names``
 tensors of ``--mib`` MiB each on its GPU and passes them as CUDA IPC handles; this process opens
 them and copies each to pinned host memory, as vlens's ``loads`` does.
 

@@ -54,7 +54,8 @@ def run(configuration: dict, log: Path, threads: int | None) -> float:
 
 
 def child(configuration: dict) -> None:
-    from vlens.store.activations import read_prompts, write_activations
+    from vlens.store.activations import write_activations
+    from vlens.store.inputs import read_prompts
     from vlens.store.on_ray import Workers, write_activations_on_ray
 
     c = configuration

@@ -3,7 +3,7 @@
 
     python bench/patching.py                 # the IOI prompt, SmolLM2-135M, fp32, this CPU
     python bench/patching.py --prompts 8     # the notebook's 8 prompts as one batch
-    python bench/patching.py --hookable      # and the same sweep on a compiled engine
+    python bench/patching.py --graph-hooks   # and the same sweep on a compiled engine
 
 The sweep is ``get_act_patch_resid_pre``: every layer × every position of the residual stream
 entering each block, patched from the clean run into the corrupted one. Prompts and metric are
@@ -22,8 +22,8 @@ both. Each side's clean cache is made before timing (as a user would). Timed, al
 - *vlens*: ``vlens.patching.get_act_patch_resid_pre(model, corrupted, cache, metric)``;
 - *vlens, final logits*: the same with ``final_logits_only=True`` (the metric gets
   ``[batch, 1, d_vocab]``: the logits vLLM computes anyway for sampling);
-- *vlens hookable* (``--hookable``): both of the above on a compiled engine whose residual
-  stream runs hook functions (``compiled_hooks=["blocks.*.hook_resid_pre"]``), with its own
+- *vlens, hooks in the graph* (``--graph-hooks``): both of the above on a compiled engine whose
+  residual stream runs hook functions (``compiled_hooks=["blocks.*.hook_resid_pre"]``), with its own
   clean cache and metric;
 - *TransformerLens*: ``transformer_lens.patching.get_act_patch_resid_pre`` on the bridge
   (``boot_transformers`` + ``enable_compatibility_mode(no_processing=True)``): one HuggingFace
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=1, choices=range(1, 9))
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--out", default="/tmp/bench-patching.json")
-    parser.add_argument("--hookable", action="store_true",
+    parser.add_argument("--graph-hooks", action="store_true",
                         help="also sweep on a compiled engine with compiled_hooks")
     args = parser.parse_args(argv)
 
@@ -113,10 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     bridge = TransformerBridge.boot_transformers(path, dtype=torch.float32)
     bridge.enable_compatibility_mode(no_processing=True)
     model = HookedVLLM.from_pretrained(path, dtype="float32")
-    hookable = (
+    graph_hooks = (
         HookedVLLM.from_pretrained(path, dtype="float32",
                                    compiled_hooks=["blocks.*.hook_resid_pre"])
-        if args.hookable else None
+        if args.graph_hooks else None
     )
 
     clean_prompts, corrupted_prompts, answers = notebook_prompts(args.prompts)
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     tl_metric = normalised_metric(answer_tokens, *diffs["transformer_lens"])
     workloads: dict[str, Callable[[], torch.Tensor]] = {}
-    engines = {"vlens": model, "vlens_hookable": hookable}
+    engines = {"vlens": model, "vlens_graph_hooks": graph_hooks}
     for label, engine in engines.items():
         if engine is None:
             continue
@@ -201,11 +201,11 @@ def main(argv: list[str] | None = None) -> int:
         "max_abs_diff_vs_transformer_lens": {
             name: (results[name] - reference).abs().max().item() for name in vlens_runs
         },
-        "hookable_vs_eager": {
-            name: {"speed": best[name.replace("_hookable", "")] / best[name],
-                   "max_abs_diff": (results[name] - results[name.replace("_hookable", "")])
+        "graph_hooks_vs_eager": {
+            name: {"speed": best[name.replace("_graph_hooks", "")] / best[name],
+                   "max_abs_diff": (results[name] - results[name.replace("_graph_hooks", "")])
                    .abs().max().item()}
-            for name in vlens_runs if "hookable" in name
+            for name in vlens_runs if "graph_hooks" in name
         },
         "max_abs_result": reference.abs().max().item(),
         "load_before": load_before,
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.save(results, os.path.splitext(args.out)[0] + ".pt")
     print(json.dumps({key: report[key] for key in (
         "sweep", "best_seconds", "speedup_vs_transformer_lens", "max_abs_diff_vs_transformer_lens",
-        "max_abs_result", "logit_diffs_clean_corrupted", "hookable_vs_eager", "torch_threads")},
+        "max_abs_result", "logit_diffs_clean_corrupted", "graph_hooks_vs_eager", "torch_threads")},
         indent=2))
     return 0
 

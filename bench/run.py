@@ -16,7 +16,7 @@ decoding:
   prompt, every step). Workloads alternate, ``--reps`` times each; the best time counts.
 - ``compiled``: plain ``vllm.LLM`` in vLLM's default mode (torch.compile + CUDA graphs on GPU),
   prefix caching off, in-process like vlens.
-- ``graph_1`` / ``graph_all``: vlens's graph tier (a compiled engine with names traced into
+- ``graph_1`` / ``graph_all``: vlens's compiled engine (names traced into
   vLLM's graph): one layer's ``hook_resid_post`` declared for capture and steering, or every
   layer's for capture; *idle* is that engine's ``vllm.LLM.generate`` with no vlens request (the
   traced copies still run), *cache* ``run_with_cache`` (the cache on the CPU, and on a GPU also
@@ -40,7 +40,7 @@ Two tiers: *prefill* (each prompt once, one token sampled; tokens/s = prompt tok
 *generate* (``new_tokens`` per prompt; tokens/s = generated tokens). Every workload's tokens/s
 is divided by plain eager vLLM's (the eager engine's *plain*) and by plain compiled vLLM's (the
 ``compiled`` worker) of the same tier in the same run; the eager tier reads against the first,
-the graph tier against the second. Both ratios are written with the exact command to
+the compiled engine against the second. Both ratios are written with the exact command to
 ``OUT_DIR/results.json`` and ``OUT_DIR/results.md``. ``--profile`` adds cProfile listings of the
 vlens workloads (shorter generations) to ``OUT_DIR/profile.txt``.
 """
@@ -293,7 +293,7 @@ class Timer:
 
 def record_runner(timer: Timer, llm: Any) -> None:
     """Which of vLLM's model runners the engine uses, for the results' header."""
-    from vlens.runtime.layout import runner_kind
+    from vlens.runtime.steps.layout import runner_kind
 
     executor = llm.llm_engine.model_executor
     if not hasattr(executor, "driver_worker"):  # worker processes (tensor parallelism)
@@ -430,7 +430,7 @@ def plain_tokens(llm: Any, prompts: list[list[int]], max_tokens: int) -> int:
 
 
 def worker_graph(preset: dict[str, Any], path: Path, timer: Timer, every_layer: bool) -> None:
-    """vlens's graph tier: a compiled engine with one layer's ``hook_resid_post`` declared for
+    """vlens's compiled engine, with one layer's ``hook_resid_post`` declared for
     capture and steering (``graph_1``), or every layer's for capture (``graph_all``)."""
     import torch
 

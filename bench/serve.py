@@ -4,14 +4,14 @@ model, side by side in one run.
 Each server runs as a child process, one after the other, on the same prompts (random token ids)
 and settings; ``--clients`` threads each send ``--requests`` completions (greedy, ``ignore_eos``,
 ``--new-tokens`` each), their JSON bodies written before the clock starts. Plain vLLM's requests
-carry nothing; one ``vlens serve`` (the graph tier: ``--compiled-steering`` and
+carry nothing; one ``vlens serve`` (the compiled engine: ``--compiled-steering`` and
 ``--compiled-capture`` at one layer's residual stream, ``--vectors``) gets the same requests, in
 turn, with a steering vector of its own in each (a JSON array; the same in base64), with a named
 vector of its own in each, and with that layer captured. ``few-shot`` runs a workload of one
 shared prefix, steered identically, on ``vlens serve`` with prefix caching and without it, and
 on plain ``vllm serve`` with prefix caching, not steered. Reported: generated tokens per second,
 best of ``--reps``, and the ratio to plain vLLM of the same mode (eager against ``vllm serve
---enforce-eager``, the graph tier against vLLM's default compiled mode); and the server's API
+--enforce-eager``, the compiled engine against vLLM's default compiled mode); and the server's API
 process's CPU time per request and share of the run (the engine processes' and the clients' on
 stderr).
 

@@ -1,13 +1,13 @@
 """A bounded soak of ``vlens serve`` under faults, on loopback: many concurrent clients steering,
 capturing, disconnecting mid-stream, giving up on requests, never fetching captures, asking for
-captures larger than the store and guessing activation ids, for ``--minutes``.
+captures larger than the server holds and guessing activation ids, for ``--minutes``.
 
 Recorded: requests by kind and outcome (an expected refusal, such as the 400 of a capture larger
-than the store or the 404 of an id fetched twice, counts as served right; a 5xx or a dropped
+than the server holds or the 404 of an id fetched twice, counts as served right; a 5xx or a dropped
 connection the client did not choose counts as an error; the clients do not retry), whether a
 reference request steered and captured alone gives the same tokens and activations all along,
 the server's memory (the resident memory of its processes) after warm-up, every 15 s and at the
-end, and its status once idle (every worker follows no request, no plan is left, the store
+end, and its status once idle (every worker follows no request, no plan is left, the held captures
 within its bound).
 
     python bench/serve_soak.py [--minutes 3] [--clients 24] [--out bench/out-cpu-soak] [--plain]
@@ -41,10 +41,10 @@ from vlens.testing.tiny import tiny_model
 
 KEY = "soak"
 STEERED = "blocks.1.hook_resid_post"
-STORE_BYTES = 256 * 1024
+CAPTURE_BYTES = 256 * 1024
 #: Captured per request that captures: about 4 KiB per position (two layers of d_model 128 fp32)
 CAPTURED = ["blocks.0.hook_resid_post", STEERED]
-#: More than the whole store at any prompt length the model takes
+#: More than the server holds at any prompt length the model takes
 TOO_LARGE = ["blocks.0.hook_resid_post", "blocks.1.hook_resid_post", "blocks.2.hook_resid_post",
              "blocks.0.mlp.hook_post", "blocks.1.mlp.hook_post", "blocks.2.mlp.hook_post"]
 
@@ -96,7 +96,7 @@ class Soak:
 
     def reference_again(self, rng: random.Random) -> str:
         """The reference request among the others: its tokens, and its activations where they
-        are fetched before newer captures push them out of the store."""
+        are fetched before newer captures push them out of those held."""
         response = self.complete(list(range(5, 25)), {**self.steer(), "capture": CAPTURED})
         tokens = list(response.choices[0].model_extra["token_ids"])
         if tokens != self.reference[0]:
@@ -138,7 +138,7 @@ class Soak:
         try:
             self.complete(prompt_of(rng, 60), {"capture": TOO_LARGE}, max_tokens=16)
         except openai.BadRequestError as error:
-            return "400" if "--activation-store-bytes" in str(error) else "400, WRONG MESSAGE"
+            return "400" if "--capture-bytes" in str(error) else "400, WRONG MESSAGE"
         return "SERVED"
 
     def guessed_id(self, rng: random.Random) -> str:
@@ -241,7 +241,7 @@ def main() -> None:
         sys.executable, "-m", "vlens.cli", "serve", str(tiny_model("llama")), "--port", str(port),
         "--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory-bytes", str(64 << 20),
         "--api-key", KEY, "--vectors", str(args.out / "vectors.safetensors"),
-        "--activation-store-bytes", str(STORE_BYTES),
+        "--capture-bytes", str(CAPTURE_BYTES),
     ]
     pids: list[int] = []
     with server_process(command, port, args.out / "server.log", api_key=KEY,
@@ -276,7 +276,7 @@ def main() -> None:
     errors = {key: n for key, n in outcomes.items()
               if any(word in key for word in ("ERROR", "CHANGED", "SERVED", "WRONG"))}
     result = {
-        "minutes": args.minutes, "clients": args.clients, "store_bytes": STORE_BYTES,
+        "minutes": args.minutes, "clients": args.clients, "capture_bytes": CAPTURE_BYTES,
         "plain_only": args.plain,
         "keepalive": args.keepalive,
         "requests": sum(soak.outcomes.values()), "outcomes": outcomes, "errors": errors,

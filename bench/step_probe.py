@@ -1,5 +1,5 @@
 """Where a compiled engine's steps spend their time, per rank: plain generation against vlens's
-steering and one layer's capture, on one engine (the graph tier, ``bench/run.py``'s workload);
+steering and one layer's capture, on one engine (the compiled engine, ``bench/run.py``'s workload);
 with ``--every-layer``, against every layer's capture instead.
 
     python bench/step_probe.py --preset gpu --tensor-parallel-size 2 --out OUT_DIR
@@ -29,7 +29,7 @@ from run import PRESETS, model_folder, prompts_for
 
 
 def install_timers(worker: Any) -> int:
-    """In a worker: time ``execute_model`` and the graph tier's step work into lists."""
+    """In a worker: time ``execute_model`` and the compiled engine's step work into lists."""
     from vlens.runtime.worker import runtime_of
 
     runtime = runtime_of(worker)
@@ -50,11 +50,11 @@ def install_timers(worker: Any) -> int:
 
 #: the pieces of ``after_step`` timed on their own: (module, attribute), the key they count under
 PHASES = {
-    ("vlens.runtime.graph", "kept_rows"): "select the rows",
-    ("vlens.runtime.graph", "GraphSites._selected_rows"): "the rows of each name",
-    ("vlens.runtime.host_stream", "HostStream.begin_step"): "stream begin_step",
-    ("vlens.runtime.host_stream", "HostStream.write"): "stream write",
-    ("vlens.runtime.host_stream", "HostStream.end_step"): "stream end_step",
+    ("vlens.runtime.compiled.graph", "kept_rows"): "select the rows",
+    ("vlens.runtime.compiled.graph", "GraphSites._selected_rows"): "the rows of each name",
+    ("vlens.runtime.transfer.host_stream", "HostStream.begin_step"): "stream begin_step",
+    ("vlens.runtime.transfer.host_stream", "HostStream.write"): "stream write",
+    ("vlens.runtime.transfer.host_stream", "HostStream.end_step"): "stream end_step",
 }
 
 

@@ -28,7 +28,6 @@ from jaxtyping import Float
 from torch import Tensor
 
 from vlens.mappings.llama import BLOCK, windowed_name_error
-from vlens.names.checkpoint import WeightNames
 from vlens.names.derived import Batch, GroupedTopK, SameForEveryLayer
 from vlens.names.mapping import (
     ArchitectureMapping,
@@ -39,8 +38,9 @@ from vlens.names.mapping import (
     expert_weights,
     leaving,
 )
-from vlens.runtime.locations import SiteCall
-from vlens.runtime.readers import Reader
+from vlens.names.weights import WeightNames
+from vlens.runtime.vocabulary.locations import SiteCall
+from vlens.runtime.vocabulary.readers import Reader
 
 #: The dense gated MLP's names, which a MoE layer replaces.
 DENSE_MLP_NAMES = tuple(f"{BLOCK}.mlp.hook_{n}" for n in ("pre", "pre_linear", "post"))
@@ -191,7 +191,7 @@ def moe_member(
     tensor_parallel: bool = True,
 ) -> ArchitectureMapping:
     """A dense family's member whose MLPs are mixtures of experts (``moe_names`` on MoE layers):
-    the family's weights without the MLP's, the graph tier (every name reads the same traced as
+    the family's weights without the MLP's, the compiled engine (every name reads the same traced as
     eager: ``tests/engine/test_compiled.py``), the family's tensor parallelism unless
     ``tensor_parallel`` is False (vLLM reduces a MoE block's output over ranks inside the block,
     so the routing names and ``hook_mlp_out`` are whole on every rank; the attention's split

@@ -77,7 +77,6 @@ from transformers import DeepseekV2Config, DeepseekV3Config, PretrainedConfig
 from vlens.mappings._moe import ROUTING_NAMES, MoeLayers, RoutedExpertRefusal, routing_specs
 from vlens.mappings._tiny import MAX_POSITIONS, shared_settings
 from vlens.mappings.llama import ATTN, BLOCK, LAYER, MLP
-from vlens.names.checkpoint import WeightNames
 from vlens.names.derived import GroupedTopK
 from vlens.names.mapping import (
     Argument,
@@ -100,6 +99,7 @@ from vlens.names.mapping import (
     rms_scale,
     squeezed,
 )
+from vlens.names.weights import WeightNames
 
 MLA = f"{ATTN}.mla_attn.mla_attn"
 #: Why hooks on scores, patterns and per-head results are refused here (see ``ExplicitAttention``).
@@ -326,7 +326,7 @@ WEIGHTS = WeightNames(
 # lets torch.compile trace the MoE block, and with vlens's hooks traced in, the compiled graph
 # routed from the router's output buffer before the router's GEMM had filled it. The patch runs
 # each MoE block as vLLM's opaque ``moe_forward`` op. Evidence: docs/NOTES.md, "DeepSeek and the
-# graph tier".
+# compiled engine".
 MAPPING = UnevenLayersMapping(
     architectures=("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"),
     hook_specs=hook_specs,

@@ -44,7 +44,7 @@ from torch import Tensor
 from transformers import Gemma2Config, PretrainedConfig
 
 from vlens.mappings._tiny import rotary_dims
-from vlens.mappings.llama import ATTN, BLOCK, LAYER, MLP
+from vlens.mappings.llama import ATTN, BLOCK, LAYER, decoder_specs, fused_residual
 from vlens.mappings.llama import WEIGHTS as LLAMA_WEIGHTS
 from vlens.names import derived
 from vlens.names.mapping import (
@@ -53,22 +53,18 @@ from vlens.names.mapping import (
     DerivedSpec,
     HookSpec,
     NoExplicitAttention,
-    Shards,
     Site,
     Spec,
-    attention_dimensions,
     attention_pattern,
-    columns,
     entering,
     head_results,
     leaving,
-    per_head,
-    repeated_per_head,
+    names_after,
     rms_normalized,
     rms_scale,
 )
-from vlens.runtime.locations import SiteCall
-from vlens.runtime.readers import LogitsOf, OutputOf
+from vlens.runtime.vocabulary.locations import SiteCall
+from vlens.runtime.vocabulary.readers import OutputOf
 
 NOT_EXPLICIT = NoExplicitAttention(
     "Gemma's attention soft-caps its logits and/or attends over a sliding window on some layers, "
@@ -122,80 +118,51 @@ def layer_windows(config: PretrainedConfig) -> tuple[int | None, ...]:
 
 
 def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
+    """Llama's names over Gemma 2's residual stream, with its scaled embedding, its attention
+    scores (scaled, soft-capped, windowed per layer: rebuilt, never computed explicitly) and its
+    post-sublayer norms, whose outputs are what attention and the MLP add to the stream."""
     eps = config.rms_norm_eps
-    heads, kv_heads, d_head = attention_dimensions(config)
-    q_end, k_end = heads * d_head, (heads + kv_heads) * d_head
-    v_end = k_end + kv_heads * d_head
-    d_mlp = config.intermediate_size
-    scale = config.query_pre_attn_scalar**-0.5
-    soft_cap = getattr(config, "attn_logit_softcapping", None)
-
-    resid_pre = entering(LAYER, Argument(1, "hidden_states"), plus=Argument(2, "residual"))
-    attn_out = leaving(f"{LAYER}.post_attention_layernorm")
-    resid_mid = entering(
-        f"{LAYER}.pre_feedforward_layernorm", Argument(0, "x"), plus=Argument(1, "residual")
+    stream = replace(
+        fused_residual(eps),
+        mid=entering(
+            f"{LAYER}.pre_feedforward_layernorm", Argument(0, "x"), plus=Argument(1, "residual")
+        ),
     )
-    final = leaving("model.norm", element=0)
-    resid_final = entering("model.norm", Argument(0, "x"), plus=Argument(1, "residual"))
     attn_raw = entering(f"{LAYER}.post_attention_layernorm", Argument(0, "x"))
     mlp_raw = entering(f"{LAYER}.post_feedforward_layernorm", Argument(0, "x"))
-    q_heads, kv_heads_split = Shards(-1, (q_end,)), Shards(-1, (k_end - q_end,))
-    qkv = leaving(f"{ATTN}.qkv_proj", element=0)
-    gate_up = leaving(f"{MLP}.gate_up_proj", element=0)
     scores = DerivedSpec(
         (f"{BLOCK}.attn.hook_rot_q", f"{BLOCK}.attn.hook_rot_k"),
-        LayerAttentionScores(scale, soft_cap, layer_windows(config)),
+        LayerAttentionScores(
+            config.query_pre_attn_scalar**-0.5,
+            getattr(config, "attn_logit_softcapping", None),
+            layer_windows(config),
+        ),
         "head query_pos key_pos",
         hookable=NOT_EXPLICIT,
     )
-    return {
+    specs = decoder_specs(config, stream)
+    specs.update({
         "hook_embed": scaled_embedding(config),
-        f"{BLOCK}.hook_resid_pre": resid_pre,
-        f"{BLOCK}.hook_attn_in": repeated_per_head(resid_pre, heads),
-        f"{BLOCK}.hook_q_input": repeated_per_head(resid_pre, heads),
-        f"{BLOCK}.hook_k_input": repeated_per_head(resid_pre, kv_heads, "kv_head"),
-        f"{BLOCK}.hook_v_input": repeated_per_head(resid_pre, kv_heads, "kv_head"),
-        f"{BLOCK}.ln1.hook_scale": rms_scale(resid_pre, eps),
-        f"{BLOCK}.ln1.hook_normalized": rms_normalized(resid_pre, eps),
-        f"{BLOCK}.attn.hook_q": per_head(columns(qkv, 0, q_end, "pos"), d_head),
-        f"{BLOCK}.attn.hook_k": per_head(columns(qkv, q_end, k_end, "pos"), d_head, "kv_head"),
-        f"{BLOCK}.attn.hook_v": per_head(columns(qkv, k_end, v_end, "pos"), d_head, "kv_head"),
-        f"{BLOCK}.attn.hook_rot_q": per_head(
-            entering(f"{ATTN}.attn", Argument(0, "query", q_heads)), d_head
+        f"{BLOCK}.attn.hook_result": head_results(
+            f"{BLOCK}.attn.hook_z", f"{ATTN}.o_proj.weight", NOT_EXPLICIT
         ),
-        f"{BLOCK}.attn.hook_rot_k": per_head(
-            entering(f"{ATTN}.attn", Argument(1, "key", kv_heads_split)), d_head, "kv_head"
-        ),
+        f"{BLOCK}.hook_attn_out": leaving(f"{LAYER}.post_attention_layernorm"),
+        f"{BLOCK}.hook_mlp_out": leaving(f"{LAYER}.post_feedforward_layernorm"),
+    })
+    specs = names_after(specs, f"{BLOCK}.attn.hook_rot_k", {
         f"{BLOCK}.attn.hook_attn_scores": scores,
         f"{BLOCK}.attn.hook_pattern": attention_pattern(
             f"{BLOCK}.attn.hook_attn_scores", NOT_EXPLICIT
         ),
-        f"{BLOCK}.attn.hook_z": per_head(entering(f"{ATTN}.o_proj", Argument(0, "input_")), d_head),
-        f"{BLOCK}.attn.hook_result": head_results(
-            f"{BLOCK}.attn.hook_z", f"{ATTN}.o_proj.weight", NOT_EXPLICIT
-        ),
+    })
+    specs = names_after(specs, f"{BLOCK}.attn.hook_result", {
         f"{BLOCK}.ln1_post.hook_scale": rms_scale(attn_raw, eps),
         f"{BLOCK}.ln1_post.hook_normalized": rms_normalized(attn_raw, eps),
-        f"{BLOCK}.hook_attn_out": attn_out,
-        f"{BLOCK}.hook_resid_mid": resid_mid,
-        f"{BLOCK}.hook_mlp_in": resid_mid,
-        f"{BLOCK}.ln2.hook_scale": rms_scale(resid_mid, eps),
-        f"{BLOCK}.ln2.hook_normalized": rms_normalized(resid_mid, eps),
-        f"{BLOCK}.mlp.hook_pre": columns(gate_up, 0, d_mlp, "pos d_mlp"),
-        f"{BLOCK}.mlp.hook_pre_linear": columns(gate_up, d_mlp, 2 * d_mlp, "pos d_mlp"),
-        f"{BLOCK}.mlp.hook_post": entering(
-            f"{MLP}.down_proj", Argument(0, "input_"), shape="pos d_mlp"
-        ),
+    })
+    return names_after(specs, f"{BLOCK}.mlp.hook_post", {
         f"{BLOCK}.ln2_post.hook_scale": rms_scale(mlp_raw, eps),
         f"{BLOCK}.ln2_post.hook_normalized": rms_normalized(mlp_raw, eps),
-        f"{BLOCK}.hook_mlp_out": leaving(f"{LAYER}.post_feedforward_layernorm"),
-        f"{BLOCK}.hook_resid_post": leaving(LAYER, element=0, plus=1),
-        "ln_final.hook_scale": rms_scale(resid_final, eps),
-        "ln_final.hook_normalized": rms_normalized(resid_final, eps),
-        "unembed.hook_out": HookSpec(
-            final.site, LogitsOf(final.read), "pos d_vocab"
-        ),
-    }
+    })
 
 
 def gemma_dims() -> dict:

@@ -46,7 +46,6 @@ Conventions, TransformerLens's where it and HuggingFace differ in form:
 from transformers import GPT2Config, PretrainedConfig
 
 from vlens.mappings._tiny import MAX_POSITIONS, shared_settings
-from vlens.names.checkpoint import WeightNames
 from vlens.names.mapping import (
     ArchitectureMapping,
     Argument,
@@ -64,6 +63,7 @@ from vlens.names.mapping import (
     per_head,
     repeated_per_head,
 )
+from vlens.names.weights import WeightNames
 
 LAYER = "transformer.h.{layer}"
 ATTN = f"{LAYER}.attn"

@@ -12,7 +12,7 @@ from transformers import GPTNeoXConfig, PretrainedConfig
 
 from vlens.mappings._tiny import MAX_POSITIONS, shared_settings
 from vlens.mappings._transformers import Details, transformers_backend_mapping
-from vlens.names.checkpoint import WeightNames
+from vlens.names.weights import WeightNames
 
 LAYER = "gpt_neox.layers.{layer}"
 

@@ -35,18 +35,16 @@ from vlens.names import derived
 from vlens.names.mapping import (
     Argument,
     DerivedSpec,
-    ExplicitAttention,
     HookSpec,
     NoExplicitAttention,
     Spec,
-    attention_dimensions,
     attention_pattern,
     attention_scores,
     entering,
     leaving,
 )
-from vlens.runtime.locations import SiteCall
-from vlens.runtime.readers import Reader
+from vlens.runtime.vocabulary.locations import SiteCall
+from vlens.runtime.vocabulary.readers import Reader
 
 
 @dataclass(frozen=True)
@@ -95,17 +93,9 @@ def residual_stream(eps: float) -> ResidualStream:
 
 def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
     specs = llama.decoder_specs(config, residual_stream(config.rms_norm_eps))
-    heads, kv_heads, d_head = attention_dimensions(config)
     multiplier = config.residual_multiplier
     scale = config.attention_multiplier
-    explicit = ExplicitAttention(
-        kernel=f"{ATTN}.attn",
-        projection=f"{ATTN}.o_proj",
-        heads=heads,
-        kv_heads=kv_heads,
-        d_head=d_head,
-        scale=scale,
-    )
+    explicit = llama.explicit_attention(config, scale)
     results = derived.HeadResults("model.layers.{layer}.self_attn.o_proj.weight")
     unscaled_results = NoExplicitAttention(
         "Granite's per-head results include residual_multiplier, which the explicitly computed "

@@ -40,7 +40,6 @@ from dataclasses import dataclass
 from transformers import LlamaConfig, PretrainedConfig
 
 from vlens.mappings._tiny import rotary_dims
-from vlens.names.checkpoint import WeightNames
 from vlens.names.mapping import (
     ArchitectureMapping,
     Argument,
@@ -62,6 +61,7 @@ from vlens.names.mapping import (
     rms_normalized,
     rms_scale,
 )
+from vlens.names.weights import WeightNames
 
 LAYER = "model.layers.{layer}"
 ATTN = f"{LAYER}.self_attn"
@@ -126,15 +126,8 @@ def decoder_specs(config: PretrainedConfig, stream: ResidualStream) -> dict[str,
     gate_up = leaving(f"{MLP}.gate_up_proj", element=0, shards=Shards(-1, (d_mlp, d_mlp)))
     z = entering(f"{ATTN}.o_proj", Argument(0, "input_", q_heads))
     post = entering(f"{MLP}.down_proj", Argument(0, "input_", Shards(-1, (d_mlp,))), shape="pos d_mlp")
-    scale = d_head**-0.5
-    explicit = ExplicitAttention(
-        kernel=f"{ATTN}.attn",
-        projection=f"{ATTN}.o_proj",
-        heads=heads,
-        kv_heads=kv_heads,
-        d_head=d_head,
-        scale=scale,
-    )
+    explicit: ExplicitAttention | NoExplicitAttention = explicit_attention(config)
+    scale = explicit.scale
     window = sliding_window(config)
     if window is not None:
         explicit = NoExplicitAttention(
@@ -184,6 +177,20 @@ def decoder_specs(config: PretrainedConfig, stream: ResidualStream) -> dict[str,
     if window is not None:
         del specs[f"{BLOCK}.attn.hook_attn_scores"], specs[f"{BLOCK}.attn.hook_pattern"]
     return specs
+
+
+def explicit_attention(config: PretrainedConfig, scale: float | None = None) -> ExplicitAttention:
+    """What computing a Llama-shaped layer's attention in the worker needs: its kernel and output
+    projection, its heads and its scale (``d_head^-½`` unless given)."""
+    heads, kv_heads, d_head = attention_dimensions(config)
+    return ExplicitAttention(
+        kernel=f"{ATTN}.attn",
+        projection=f"{ATTN}.o_proj",
+        heads=heads,
+        kv_heads=kv_heads,
+        d_head=d_head,
+        scale=d_head**-0.5 if scale is None else scale,
+    )
 
 
 def windowed_name_error(name: str) -> str | None:

@@ -13,7 +13,7 @@ from transformers import Olmo2Config, PretrainedConfig
 
 from vlens.mappings._tiny import rotary_dims
 from vlens.mappings._transformers import Details, transformers_backend_mapping
-from vlens.names.checkpoint import WeightNames
+from vlens.names.weights import WeightNames
 
 LAYER = "model.layers.{layer}"
 

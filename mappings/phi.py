@@ -11,7 +11,7 @@ from transformers import PhiConfig, PretrainedConfig
 
 from vlens.mappings._tiny import rotary_dims
 from vlens.mappings._transformers import Details, transformers_backend_mapping
-from vlens.names.checkpoint import WeightNames
+from vlens.names.weights import WeightNames
 
 LAYER = "model.layers.{layer}"
 

@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import vllm
 
-    from vlens import HookedVLLM
+    from vlens.hooked.model import HookedVLLM
 
     sections = [
         "# Parity report\n",

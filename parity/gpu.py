@@ -141,7 +141,7 @@ def runner_of(model: Any) -> Any:
 
 
 def runner_label(model: Any) -> str:
-    from vlens.runtime.layout import runner_kind
+    from vlens.runtime.steps.layout import runner_kind
 
     runner = runner_of(model)
     return f"{runner_kind(runner).upper()} ({type(runner).__module__})"
@@ -250,8 +250,8 @@ def run(args: argparse.Namespace) -> int:
     import vllm
     from transformers import AutoConfig
 
-    from vlens import HookedVLLM
-    from vlens.engine.support import model_impl_args
+    from vlens.engine.arguments import model_impl_args
+    from vlens.hooked.model import HookedVLLM
     from vlens.mappings import mapping_for
     from vlens.testing.tiny import ARCHS, tiny_model
 

@@ -24,8 +24,8 @@ def engine_args_of_tests() -> dict[str, object]:
 @pytest.fixture
 def mapped_references(monkeypatch) -> list[tuple]:
     """Every reference to a worker's shared host memory this process maps during the test
-    (:func:`vlens.runtime.host_blocks.open_reference`): rows handed back uncopied."""
-    from vlens.runtime import host_blocks
+    (:func:`vlens.runtime.transfer.host_blocks.open_reference`): rows handed back uncopied."""
+    from vlens.runtime.transfer import host_blocks
 
     mapped: list[tuple] = []
     opened = host_blocks.open_reference
@@ -45,15 +45,15 @@ def hooked() -> Callable[..., HookedVLLM]:
     """``hooked("qwen3", **engine_args)``: the session's fp32 engine for a tiny model, built
     once: engines are the slow part of the suite. ``VLENS_TEST_ENGINE_ARGS`` (JSON) adds engine
     arguments to every engine, e.g. ``{"gpu_memory_utilization": 0.2}`` where two suites share
-    a GPU. ``VLENS_TEST_HOOKABLE=1`` makes each eager engine a compiled one on which hook
+    a GPU. ``VLENS_TEST_GRAPH_HOOKS=1`` makes each eager engine a compiled one on which hook
     functions run at every name (``compiled_hooks``): the eager engine's hook tests then run
     on the graph's hook sites."""
     engines: dict[tuple, HookedVLLM] = {}
     extra = engine_args_of_tests()
-    hookable = os.environ.get("VLENS_TEST_HOOKABLE") == "1"
+    graph_hooks = os.environ.get("VLENS_TEST_GRAPH_HOOKS") == "1"
 
     def get(arch: str, **engine_args: object) -> HookedVLLM:
-        if hookable and not any(key.startswith("compiled_") for key in engine_args):
+        if graph_hooks and not any(key.startswith("compiled_") for key in engine_args):
             engine_args = {**engine_args, "compiled_hooks": every_hookable_name}
         key = (arch, *sorted(engine_args.items()))
         if key not in engines:
@@ -66,14 +66,14 @@ def hooked() -> Callable[..., HookedVLLM]:
 
 
 def every_hookable_name(name: str) -> bool:
-    """``compiled_hooks``' filter of the tests' hookable engines: every name that can carry hook
+    """``compiled_hooks``' filter of the tests' engines with hook functions in their graph: every name that can carry hook
     functions in the compiled graph."""
     return True
 
 
 @pytest.fixture(scope="session")
-def hookable_engine(hooked) -> Callable[[str], HookedVLLM]:
-    """``hookable_engine("llama")``: the session's compiled fp32 engine of a tiny model on which
+def graph_hooks_engine(hooked) -> Callable[[str], HookedVLLM]:
+    """``graph_hooks_engine("llama")``: the session's compiled fp32 engine of a tiny model on which
     hook functions run at every name that can carry them (``compiled_hooks``), built once."""
     return lambda arch: hooked(arch, compiled_hooks=every_hookable_name)
 

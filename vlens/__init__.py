@@ -12,15 +12,15 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from vlens.engine.tree import weightless_model as weightless_model
     from vlens.hooked.model import HookedVLLM as HookedVLLM
-    from vlens.runtime.messages import HookError as HookError
-    from vlens.runtime.steering import SAESteer as SAESteer
-    from vlens.runtime.steering import Steer as Steer
+    from vlens.runtime.transfer.messages import HookError as HookError
+    from vlens.runtime.vocabulary.steering import SAESteer as SAESteer
+    from vlens.runtime.vocabulary.steering import Steer as Steer
 
 _PUBLIC = {
     "HookedVLLM": "vlens.hooked.model",
-    "HookError": "vlens.runtime.messages",
-    "SAESteer": "vlens.runtime.steering",
-    "Steer": "vlens.runtime.steering",
+    "HookError": "vlens.runtime.transfer.messages",
+    "SAESteer": "vlens.runtime.vocabulary.steering",
+    "Steer": "vlens.runtime.vocabulary.steering",
     "weightless_model": "vlens.engine.tree",
 }
 

@@ -16,17 +16,10 @@ from vlens.hooked.model import HookedVLLM
 from vlens.mappings import checkpoint_specs
 from vlens.names.mapping import Spec
 from vlens.names.resolve import UnknownHookName
-from vlens.store.activations import (
-    DTYPES,
-    StoreError,
-    count_prompts,
-    fill_store,
-    open_store,
-    read_prompts,
-    resolve_names,
-)
+from vlens.store.activations import DTYPES, fill_store, open_store
 from vlens.store.blocks import INDEX, verify_blocks_report
-from vlens.store.manifest import verify_report
+from vlens.store.inputs import count_prompts, read_prompts, stored_names
+from vlens.store.manifest import StoreError, verify_report
 from vlens.store.saelens import per_token_width_problem, write_saelens_dataset
 
 DEFAULT_PROMPT = "The capital of France is"
@@ -94,7 +87,7 @@ def cache_command(args: argparse.Namespace) -> int | None:
     # Bad names, a store made with other settings and a folder that cannot be written are
     # reported before the engine loads.
     specs = checkpoint_specs(folder)
-    names = resolve_names(args.names, specs)
+    names = stored_names(args.names, specs)
     if args.format == "saelens":
         _require_saelens_names(names, specs)
     store = open_store(args.out, folder, names, args.dtype, args.max_new_tokens, progress=True)
@@ -127,7 +120,7 @@ def ray_cache_command(args: argparse.Namespace, folder: Path) -> None:
 
     if args.format == "saelens":
         specs = checkpoint_specs(folder)
-        _require_saelens_names(resolve_names(args.names, specs), specs)
+        _require_saelens_names(stored_names(args.names, specs), specs)
     given = {"count": args.workers, "gpus": args.gpus_per_worker, "cpus": args.cpus_per_worker,
              "tensor_parallel_size": args.tensor_parallel_size}
     workers = Workers(**{key: value for key, value in given.items() if value is not None})

@@ -13,11 +13,11 @@ import torch
 from torch import Tensor
 from transformers import AutoConfig
 
-from vlens.engine.planning import Planner
 from vlens.hooked.hook_registry import HookRegistry
 from vlens.mappings import mapping_for
 from vlens.names.compiled import declare
-from vlens.runtime.attention import unsupported
+from vlens.names.rules import NameRules
+from vlens.runtime.attention.explicit import unsupported
 from vlens.testing.tiny import tiny_model
 
 TEXT = "The river ran past the old mill, and every morning"
@@ -297,9 +297,13 @@ def specs_of(arch: str) -> tuple[dict, AutoConfig]:
     return mapping_for(config).expanded(config), config
 
 
+def rules_of(specs: dict, compiled=None, tensor_parallel_size: int = 1) -> NameRules:
+    return NameRules(specs, list(specs), compiled, None, tensor_parallel_size)
+
+
 def test_deepseek_attention_names_are_refused_with_the_reason():
     specs, _ = specs_of("deepseek_v3")
-    registry = HookRegistry(specs)
+    registry = HookRegistry(rules_of(specs))
     for name in (pattern(), scores(), result()):
         with pytest.raises(ValueError, match="multi-head latent attention"):
             registry.names(name)
@@ -310,8 +314,8 @@ def test_deepseek_attention_names_are_refused_with_the_reason():
 def test_tensor_parallelism_is_refused_when_the_hook_is_added():
     specs, _ = specs_of("llama")
     with pytest.raises(NotImplementedError, match="tensor parallelism"):
-        HookRegistry(specs, tensor_parallel_size=2).names(pattern())
-    assert HookRegistry(specs).names(pattern()) == [pattern()]
+        HookRegistry(rules_of(specs, tensor_parallel_size=2)).names(pattern())
+    assert HookRegistry(rules_of(specs)).names(pattern()) == [pattern()]
     assert "tensor parallelism" in unsupported(tensor_parallel=True)  # the worker's
     assert unsupported(tensor_parallel=False) is None
 
@@ -332,11 +336,9 @@ def test_tensor_parallel_engine_refuses_and_keeps_serving():
 
 def test_a_compiled_engine_takes_pattern_hooks_only_where_declared():
     specs, config = specs_of("llama")
-    registry = HookRegistry(specs)
     compiled = declare(specs, config, [pattern()], [], None)  # read, not hooked
-    planner = Planner(specs, registry, config, compiled)
     with pytest.raises(ValueError, match=r"compiled_hooks=\['blocks.1.attn.hook_pattern'\]"):
-        planner.check_hook_functions(registry.names(pattern()))
-    hookable = declare(specs, config, [], [], None, hooks=[pattern()])
-    Planner(specs, registry, config, hookable).check_hook_functions(registry.names(pattern()))
-    assert {site.event for site in (g.site for g in hookable.graph_names)} >= {"call"}
+        HookRegistry(rules_of(specs, compiled)).names(pattern())
+    graph_hooks = declare(specs, config, [], [], None, hooks=[pattern()])
+    assert HookRegistry(rules_of(specs, graph_hooks)).names(pattern()) == [pattern()]
+    assert {site.event for site in (g.site for g in graph_hooks.graph_names)} >= {"call"}

@@ -13,7 +13,8 @@ from vlens import HookedVLLM, cli
 from vlens.mappings import checkpoint_specs
 from vlens.names.resolve import UnknownHookName
 from vlens.store import activations as activation_store
-from vlens.store.activations import StoreError, resolve_names, write_activations
+from vlens.store.activations import StoreError, write_activations
+from vlens.store.inputs import read_prompts, stored_names
 from vlens.testing.tiny import tiny_model
 
 TEXTS = [
@@ -122,7 +123,7 @@ def test_jsonl_prompts_and_generated_positions(model, tmp_path):
     path.write_text(json.dumps({"text": TEXTS[0]}) + "\n" + json.dumps({"tokens": ids}) + "\n")
     out = tmp_path / "store"
     names = ["blocks.2.hook_resid_post"]
-    write_activations(model, activation_store.read_prompts(path), names, out,
+    write_activations(model, read_prompts(path), names, out,
                       max_new_tokens=3, progress=False)
     manifest, rows = stored(out)
 
@@ -212,14 +213,14 @@ def test_resume_refuses_other_settings_or_prompts(model, prompts, tmp_path):
     more = tmp_path / "more.txt"
     more.write_text("\n".join(TEXTS[::-1] * 2))
     with pytest.raises(StoreError, match="same prompts"):
-        write_activations(model, activation_store.read_prompts(more), PATTERNS, out,
+        write_activations(model, read_prompts(more), PATTERNS, out,
                           shard_tokens=SHARD_TOKENS, progress=False)
 
 
 def test_name_patterns_fail_before_the_engine_loads(no_engine, prompts, tmp_path):
     out = str(tmp_path / "store")
     base = ["cache", "llama", "--prompts", str(prompts), "--out", out, "--names"]
-    suggestion = r"no hook name matches .*Did you mean: blocks\.\*\.hook_resid_post"
+    suggestion = r"no hook name of this model matches .*Did you mean: blocks\.\*\.hook_resid_post"
     with pytest.raises(SystemExit, match=suggestion):
         cli.main([*base, "blocks.*.hook_resid_pots"])
     with pytest.raises(SystemExit, match="Did you mean: blocks.0.hook_resid_post"):
@@ -228,16 +229,16 @@ def test_name_patterns_fail_before_the_engine_loads(no_engine, prompts, tmp_path
         cli.main([*base, "blocks.*.attn.hook_pattern"])
 
 
-def test_resolve_names():
+def test_stored_names():
     specs = checkpoint_specs(tiny_model("llama"))
-    assert resolve_names(PATTERNS, specs) == NAMES
-    assert resolve_names(["blocks.1.hook_out", "blocks.1.*.hook_z"], specs) == [
+    assert stored_names(PATTERNS, specs) == NAMES
+    assert stored_names(["blocks.1.hook_out", "blocks.1.*.hook_z"], specs) == [
         "blocks.1.attn.hook_z", "blocks.1.hook_resid_post"
     ]
     with pytest.raises(UnknownHookName):
-        resolve_names(["hook_pos_embed"], specs)
+        stored_names(["hook_pos_embed"], specs)
     with pytest.raises(StoreError, match="head query_pos key_pos"):
-        resolve_names(["blocks.0.attn.hook_attn_scores"], specs)
+        stored_names(["blocks.0.attn.hook_attn_scores"], specs)
 
 
 def test_names_and_lens_table(model, capsys):

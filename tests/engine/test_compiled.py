@@ -1,4 +1,4 @@
-"""The graph tier on vLLM's CPU compile mode: the same caches and steered tokens as eager mode,
+"""The compiled engine on vLLM's CPU compile mode: the same caches and steered tokens as eager mode,
 steering confined to its request, and clear refusals of what a traced graph cannot do."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from vlens import HookedVLLM
-from vlens.runtime.steering import Steer
+from vlens.runtime.vocabulary.steering import Steer
 from vlens.testing.tiny import tiny_archs, tiny_configs, tiny_model
 
 CAPTURED = (

@@ -10,7 +10,7 @@ from hf_edits import forward_with_added
 from torch import Tensor, nn
 
 from vlens.parity.reference import load_hf
-from vlens.runtime.hooks import HookError
+from vlens.runtime.transfer.messages import HookError
 from vlens.testing.tiny import tiny_model
 
 TEXT = "Steering vectors move the residual stream"

@@ -11,8 +11,8 @@ from transformers import AutoConfig, AutoTokenizer
 
 from vlens.parity.compare import PROMPTS
 from vlens.parity.reference import load_hf
-from vlens.runtime.attention_math import causal_scores
-from vlens.runtime.readers import LogitsOf, OutputOf
+from vlens.runtime.attention.arithmetic import causal_scores
+from vlens.runtime.vocabulary.readers import LogitsOf, OutputOf
 from vlens.testing.tiny import tiny_model
 
 TEXT = "The river ran past the old mill, and every morning the miller opened the gates"

@@ -4,7 +4,7 @@ batches in test_batching.py, each parametrized over the architectures.)"""
 
 import pytest
 
-from vlens.runtime.hooks import HookError
+from vlens.runtime.transfer.messages import HookError
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,7 @@
-"""A call's kept rows written into the host's padded batch as steps end (the graph tier on one
+"""A call's kept rows written into the host's padded batch as steps end (the compiled engine on one
 rank, cache on the host): each row at its request and position, whatever order the steps list
 requests in; zero wherever a request kept nothing; rows past a request's announced positions
-and rows vLLM replaced left out, as :class:`~vlens.runtime.step_store.StepStore` lays them out."""
+and rows vLLM replaced left out, as :class:`~vlens.runtime.steps.kept_steps.KeptSteps` lays them out."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import io
 import pytest
 import torch
 
-from vlens.runtime.host_stream import HostStream, Slot
-from vlens.runtime.layout import RequestRows
-from vlens.runtime.step_store import Segment, StepStore
+from vlens.runtime.steps.kept_steps import KeptSteps, Segment
+from vlens.runtime.steps.layout import RequestRows
+from vlens.runtime.transfer.host_stream import HostStream, Slot
 
 KEEP_X = frozenset({"x"})
 DEVICES = [
@@ -55,9 +55,9 @@ def step(stream: HostStream, requests: list[tuple[str, int, int]], values: torch
     stream.end_step()
 
 
-def test_rows_land_at_their_request_and_position_as_the_step_store_lays_them_out(device, shared):
+def test_rows_land_at_their_request_and_position_as_the_kept_steps_lay_them_out(device, shared):
     stream = stream_of({"a": 4, "b": 4}, device, shared)
-    store = StepStore()
+    store = KeptSteps()
     steps = [
         ([("a", 3, 0), ("b", 2, 0)], rows(0, 1, 2, 3, 4)),
         ([("b", 1, 2), ("a", 1, 3)], rows(10, 11)),  # b before a
@@ -112,10 +112,10 @@ def test_replaced_rows_are_dropped_and_an_early_stop_narrows_the_batch(device, s
 def test_names_written_together_land_as_each_written_alone(device, shared):
     """Three names' rows of a step as one ``[names, rows, ...]`` tensor, over steps that take
     each way of copying (decode rows all at one position, then at mixed ones; a prefill of
-    equal prompts): each name's cache equals the step store's."""
+    equal prompts): each name's cache equals what the kept steps lay out."""
     positions = {f"r{i}": 5 for i in range(6)}
     stream = stream_of(positions, device, shared)
-    store = StepStore()
+    store = KeptSteps()
     names = ["p", "q", "s"]
     generator = torch.Generator().manual_seed(0)
     steps = [
@@ -144,7 +144,7 @@ def test_names_written_together_land_as_each_written_alone(device, shared):
 
 
 def test_a_compiled_call_writes_its_cache_on_the_host_as_steps_end(hooked, monkeypatch):
-    """On one rank with the cache on the host, the graph tier takes this path, and the cache
+    """On one rank with the cache on the host, the compiled engine takes this path, and the cache
     equals eager mode's."""
     taken = []
     original = HostStream.take

@@ -17,13 +17,11 @@ from transformer_lens.model_bridge import TransformerBridge
 from transformers import AutoConfig
 
 from vlens import HookedVLLM
-from vlens.analysis.weights import AnalysisWeights
+from vlens.engine.checkpoint import Checkpoint
 from vlens.hooked.config import ModelConfig
 from vlens.hooked.hook_registry import HookRegistry
-from vlens.hooked.model import all_specs
 from vlens.hooked.views import HookPointView, ModelViews
 from vlens.mappings import mapping_for
-from vlens.names.checkpoint import CheckpointWeights
 from vlens.testing.embedded import smollm2_path
 from vlens.testing.tiny import tiny_archs, tiny_model
 
@@ -40,18 +38,15 @@ BLOCK_VIEWS = {
 
 class CheckpointOnly(ModelViews):
     """The views over a checkpoint, without an engine: the protocol ``HookedVLLM`` offers them
-    (``cfg``, ``analysis``, ``registry``, ``hook_names``, ``add_hook``)."""
+    (``cfg``, ``checkpoint``, ``registry``, ``hook_names``, ``add_hook``)."""
 
     def __init__(self, path: Path) -> None:
         config = AutoConfig.from_pretrained(path)
-        mapping = mapping_for(config)
-        specs = all_specs(mapping, config)
-        self.cfg = ModelConfig.from_hf(config, mapping, list(specs))
+        self.checkpoint = Checkpoint(path, config, mapping_for(config))
+        specs = self.checkpoint.hook_specs
+        self.cfg = ModelConfig.from_hf(config, self.checkpoint.mapping, list(specs))
         self.hook_names = list(specs)
-        self.registry = HookRegistry(specs, mapping.unavailable)
-        self.analysis = AnalysisWeights(
-            CheckpointWeights(path), mapping.weights, config, self.cfg.n_heads
-        )
+        self.registry = HookRegistry(self.checkpoint.rules)
 
     def add_hook(self, name: str, hook: Any, dir: str = "fwd", is_permanent: bool = False) -> None:
         self.registry.add(name, hook, is_permanent)
@@ -99,7 +94,7 @@ def assert_weights_match(model: ModelViews, bridge: TransformerBridge, layers: l
     for layer in layers:
         for part, attrs in BLOCK_VIEWS.items():
             if not hasattr(bridge.blocks[layer], part):  # OLMo-2's post-norms, Phi's one norm
-                assert getattr(model.analysis.names, f"{part}_w") is None, f"{part} declared"
+                assert getattr(model.checkpoint.analysis.names, f"{part}_w") is None, f"{part} declared"
                 continue
             ours, theirs = getattr(model.blocks[layer], part), getattr(bridge.blocks[layer], part)
             for attr in attrs:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from vlens.names.resolve import UnknownHookName, canonical, select_names
+from vlens.names.resolve import UnknownHookName, canonical, select
 
 NAMES = ["hook_embed", "blocks.0.hook_resid_pre", "blocks.0.hook_resid_post",
          "blocks.1.hook_resid_post", "unembed.hook_out"]
@@ -24,14 +24,14 @@ def test_bridge_aliases():
 
 
 def test_names_filter_forms():
-    assert select_names(None, NAMES) == NAMES
-    assert select_names("blocks.1.hook_out", NAMES) == ["blocks.1.hook_resid_post"]
-    assert select_names(["unembed.hook_out", "hook_embed"], NAMES) == ["hook_embed", "unembed.hook_out"]
-    assert select_names(lambda n: n.endswith("resid_post"), NAMES) == NAMES[2:4]
+    assert select(None, NAMES) == NAMES
+    assert select("blocks.1.hook_out", NAMES) == ["blocks.1.hook_resid_post"]
+    assert select(["unembed.hook_out", "hook_embed"], NAMES) == ["hook_embed", "unembed.hook_out"]
+    assert select(lambda n: n.endswith("resid_post"), NAMES) == NAMES[2:4]
     with pytest.raises(ValueError, match="none"):
-        select_names(lambda n: False, NAMES)
+        select(lambda n: False, NAMES)
     with pytest.raises(UnknownHookName):
-        select_names(["hook_embed", "hook_pos_embed"], NAMES)
+        select(["hook_embed", "hook_pos_embed"], NAMES)
 
 
 def test_cache_indexing(hooked):
@@ -55,7 +55,7 @@ def test_run_with_cache_unknown_name_fails_before_running(hooked):
 
 
 def test_engine_arguments_vlens_cannot_honour():
-    from vlens.engine.support import engine_args
+    from vlens.engine.arguments import engine_args
 
     with pytest.raises(ValueError, match="eager"):
         engine_args({"enforce_eager": False})

@@ -16,8 +16,8 @@ from torch import Tensor
 
 from vlens import HookedVLLM
 from vlens.engine import memory_budget
-from vlens.engine.cache import VLensCache
 from vlens.engine.memory_budget import CacheTooLarge, CallSize, held_names, value_bytes
+from vlens.hooked.cache import VLensCache
 from vlens.mappings._tiny import VOCAB_SIZE
 from vlens.names.lazy_patterns import LazyAttention
 
@@ -39,7 +39,7 @@ def attention_names(name: str) -> bool:
 def eager(cache: VLensCache, model: HookedVLLM, stage: str, layer: int = LAYER) -> Tensor:
     """The value as the cache computed it before it was lazy: the whole padded batch at once."""
     q, k = cache[name("rot_q", layer)], cache[name("rot_k", layer)]
-    scale = model.hook_specs[name("attn_scores", layer)].compute.scale
+    scale = model.checkpoint.hook_specs[name("attn_scores", layer)].compute.scale
     mask = cache.attention_mask
     k = repeat(k, "b k kv d -> b k (kv group) d", group=q.shape[2] // k.shape[2])
     scores = einsum(q.float(), k.float(), "b q h d, b k h d -> b h q k") * scale
@@ -300,7 +300,7 @@ def test_a_cache_larger_than_the_memory_available_is_refused_before_running(mode
 
 
 def test_patterns_count_as_their_q_and_k_until_read(model):
-    specs, config = model.hook_specs, model.hf_config
+    specs, config = model.checkpoint.hook_specs, model.checkpoint.hf_config
     pattern = name("pattern")
     kept = [name("rot_q"), name("rot_k")]
     assert held_names(specs, [pattern], kept, build_all=False) == kept

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from vlens import HookedVLLM
-from vlens.engine.cache import VLensCache
-from vlens.runtime.layout import RequestRows, mark_sampling
-from vlens.runtime.messages import TAG_KEY, Chunk
-from vlens.runtime.steering import Steer
-from vlens.runtime.step_store import Segment, StepStore, add_chunk
+from vlens.hooked.cache import VLensCache
+from vlens.runtime.steps.kept_steps import KeptSteps, Segment, add_chunk
+from vlens.runtime.steps.layout import RequestRows, mark_sampling
+from vlens.runtime.transfer.messages import TAG_KEY, Chunk
+from vlens.runtime.vocabulary.steering import Steer
 
 # vLLM refuses a model length whose one request would not fit the 320 cached tokens
 PREEMPTING = dict(
@@ -181,7 +181,7 @@ def rows(*values: float) -> torch.Tensor:
 def test_whole_step_rows_of_a_recomputed_request_replace_its_earlier_rows():
     """``a`` runs positions 0..3, is preempted, and is recomputed in two chunks then decoded;
     ``b`` runs on. Each position of ``a`` holds its latest row, once."""
-    store = StepStore()
+    store = KeptSteps()
     store.add("x", [Segment("a", 3, 0), Segment("b", 2, 0)], rows(0, 1, 2, 20, 21))
     store.add("x", [Segment("a", 1, 3), Segment("b", 1, 2)], rows(3, 22))
     store.add("x", [Segment("b", 1, 3), Segment("a", 2, 0)], rows(23, 10, 11))

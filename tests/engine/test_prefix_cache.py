@@ -10,10 +10,10 @@ from test_compiled import CAPTURED, STEERED
 
 from vlens import Steer
 from vlens.engine.prefix_cache import cache_use, fingerprint
-from vlens.runtime.locations import Site
-from vlens.runtime.messages import NamePlan, RequestPlan
-from vlens.runtime.readers import OutputOf
-from vlens.runtime.steering import as_hook_function
+from vlens.runtime.transfer.messages import NamePlan, RequestPlan
+from vlens.runtime.vocabulary.locations import Site
+from vlens.runtime.vocabulary.readers import OutputOf
+from vlens.runtime.vocabulary.steering import as_hook_function
 
 BLOCK = 128  # vLLM's CPU block size: a prefix shorter than one block is never cached
 

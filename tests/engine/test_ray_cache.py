@@ -22,8 +22,9 @@ from datasets import load_from_disk
 from test_cli import stored
 
 from vlens import cli
-from vlens.store.activations import read_prompts, write_activations
+from vlens.store.activations import write_activations
 from vlens.store.blocks import INDEX, LOCK, index_blocks, read_index, verify_blocks_report
+from vlens.store.inputs import read_prompts
 from vlens.store.on_ray import Workers, write_activations_on_ray
 from vlens.store.saelens import write_saelens_dataset
 from vlens.testing.tiny import tiny_model

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vlens.runtime.layout import TAG_KEY
+from vlens.runtime.steps.layout import TAG_KEY
 
 TEXTS = [
     "The first prompt is of middling length",

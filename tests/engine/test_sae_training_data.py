@@ -1,4 +1,4 @@
-"""Activations for training SAEs with SAELens: ``vlens.sae.activation_batches`` (shuffled
+"""Activations for training SAEs with SAELens: ``vlens.store.activation_batches`` (shuffled
 batches from the live engine) and the SAELens dataset export of a store
 (``vlens.store.saelens``, ``vlens cache --format saelens``)."""
 
@@ -17,8 +17,7 @@ from test_cli import TEXTS
 
 from vlens import cli
 from vlens.names.resolve import UnknownHookName
-from vlens.sae import activation_batches
-from vlens.store import saelens
+from vlens.store import activation_batches, saelens
 from vlens.store.activations import StoreError, write_activations
 from vlens.store.saelens import write_saelens_dataset
 

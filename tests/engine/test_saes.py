@@ -115,9 +115,9 @@ def test_refusals_name_the_problem(model, tmp_path):
 
 
 def test_on_a_compiled_engine_at_a_declared_name_as_on_the_eager_one(
-    model, hookable_engine, tmp_path
+    model, graph_hooks_engine, tmp_path
 ):
-    compiled = hookable_engine("gpt2")
+    compiled = graph_hooks_engine("gpt2")
     sae = sae_at(tmp_path, NAME, model.cfg.d_model, "topk", k=6)
     stage = f"{NAME}.hook_sae_acts_post"
 

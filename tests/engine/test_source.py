@@ -17,7 +17,7 @@ def attention_path(model, layer: int) -> str | None:
     """The module whose forward turns q and k: the parent of the module ``hook_rot_q`` is read
     at, else (no rotary embedding) of the one ``hook_z`` is."""
     for name in ("hook_rot_q", "hook_z"):
-        spec = model.hook_specs.get(f"blocks.{layer}.attn.{name}")
+        spec = model.checkpoint.hook_specs.get(f"blocks.{layer}.attn.{name}")
         if isinstance(spec, HookSpec):
             return spec.site.path.rsplit(".", 1)[0]
     return None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vlens.runtime.steering import Steer, steered
+from vlens.runtime.vocabulary.steering import Steer, steered
 
 
 @pytest.mark.parametrize(

@@ -91,7 +91,7 @@ def test_a_shared_hook_on_the_batch_equals_one_rank(two_ranks, hooked):
     assert ours[0] == plain[0] and ours[1] != plain[1]
 
 
-# ---- the graph tier on two ranks --------------------------------------------------------------
+# ---- the compiled engine on two ranks --------------------------------------------------------------
 # Llama's and Qwen3's mappings and two mixtures of experts; Mistral and Qwen2 are Llama-family
 # members with its names (their eager two-rank tests above), left out here to keep the suite's
 # time down.
@@ -208,7 +208,7 @@ for insecure, modules in model.engine.llm.collective_rpc(loaded):
 
 
 def memory_blocks_of_children() -> int:
-    """How many shared host blocks (:mod:`vlens.runtime.host_blocks`) this process's children
+    """How many shared host blocks (:mod:`vlens.runtime.transfer.host_blocks`) this process's children
     (the engines' worker processes) hold open."""
     me, count = str(os.getpid()), 0
     for pid in filter(str.isdigit, os.listdir("/proc")):

@@ -8,9 +8,9 @@ import os
 import pytest
 import torch
 
-from vlens.runtime import shared_tensors
-from vlens.runtime.messages import PaddedRows
-from vlens.runtime.step_store import Segment, StepStore
+from vlens.runtime.steps.kept_steps import KeptSteps, Segment
+from vlens.runtime.transfer import shared_tensors
+from vlens.runtime.transfer.messages import PaddedRows
 
 KEEP_X = frozenset({"x"})
 
@@ -22,7 +22,7 @@ def rows(*values: float) -> torch.Tensor:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_rows_read_on_a_gpu_come_back_where_asked(device):
-    store = StepStore()
+    store = KeptSteps()
     store.add("x", [Segment("a", 2, 0), Segment("b", 1, 0)], rows(1, 2, 3).cuda())
     store.add("x", [Segment("b", 1, 1)], rows(4).cuda())
     taken = store.take(["a", "b"], {"a": KEEP_X, "b": KEEP_X}, device)["x"]

@@ -1,6 +1,6 @@
 """`vlens serve` as a child process on tiny Llama, through the official `openai` client: steering
 and captures per request, each request's result as if it ran alone, a 400 for every bad field,
-the activation store's bound, the API key, and lm-eval scoring a steered model."""
+the held captures' bound, the API key, and lm-eval scoring a steered model."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from vlens.testing.tiny import tiny_model
 
 HERE = Path(__file__).parent / "data"
 KEY = "vlens-test-key"
-STORE_BYTES = 64 * 1024
+CAPTURE_BYTES = 64 * 1024
 STEERED = "blocks.1.hook_resid_post"
 SAE_AT = "blocks.0.hook_resid_post"
 
@@ -50,7 +50,7 @@ def server(tmp_path_factory, up, engine_args):
         "--api-key", KEY, "--chat-template", str(HERE / "chat_template.jinja"),
         "--vectors", str(folder / "vectors.safetensors"),
         "--steered-model", f"steered={HERE / 'steered.json'}",
-        "--activation-store-bytes", str(STORE_BYTES),
+        "--capture-bytes", str(CAPTURE_BYTES),
     ]
     with server_process(command, port, folder / "server.log", api_key=KEY) as base:
         yield base
@@ -260,7 +260,7 @@ def test_chat_completions_steer_and_capture(client, server, hooked, up):
 
 
 def test_the_activation_store_stays_within_its_bound(client, server, hooked):
-    """Each capture is ~36 KB; the store holds 64 KiB: every capture past the first drops the one
+    """Each capture is ~36 KB; the server holds 64 KiB: every capture past the first drops the one
     before it, unfetched, so only the last is left."""
     names = ["blocks.0.hook_resid_post", "blocks.1.hook_resid_post"]
     ids = []
@@ -270,7 +270,7 @@ def test_the_activation_store_stays_within_its_bound(client, server, hooked):
     for activation_id in ids[:-1]:
         with pytest.raises(urllib.error.HTTPError, match="404"):
             fetch(server, activation_id)
-    assert 30_000 < len(fetch(server, ids[-1])) <= STORE_BYTES
+    assert 30_000 < len(fetch(server, ids[-1])) <= CAPTURE_BYTES
 
 
 def status(server: str) -> dict:
@@ -295,7 +295,7 @@ def assert_forgotten(server: str) -> None:
     now = settled(server)
     assert all(not any(counts.values()) for counts in now["workers"]), now
     assert now["tickets"] == 0, now
-    assert now["store"]["bytes"] <= now["store"]["max_bytes"], now
+    assert now["captures"]["bytes"] <= now["captures"]["max_bytes"], now
 
 
 def test_a_client_leaving_mid_stream_leaves_nothing_behind(client, server, hooked):
@@ -332,17 +332,17 @@ def test_a_request_cancelled_while_steered_leaves_nothing_behind(client, server)
 
 
 def test_captures_larger_than_the_store_are_refused_and_leave_nothing(client, server):
-    """Each capture takes more than the whole store: a 400 that says so and how to fix it, the
-    store and the workers hold nothing more after, and the server keeps serving."""
-    before = settled(server)["store"]
+    """Each capture takes more than the server holds: a 400 that says so and how to fix it, the
+    server and its workers hold nothing more after, and the server keeps serving."""
+    before = settled(server)["captures"]
     names = ["blocks.0.hook_resid_post", "blocks.1.hook_resid_post", "blocks.2.hook_resid_post",
              "blocks.0.mlp.hook_post"]
     for index in range(5):
         with pytest.raises(openai.BadRequestError, match=r"more than the server's whole "
-                           r"activation store.*--activation-store-bytes"):
+                           r"held captures.*--capture-bytes"):
             complete(client, prompt_of(20 + index, length=100), {"capture": names}, max_tokens=40)
     assert_forgotten(server)
-    assert settled(server)["store"]["bytes"] <= before["bytes"]
+    assert settled(server)["captures"]["bytes"] <= before["bytes"]
     small = complete(client, prompt_of(30), {"capture": ["blocks.0.hook_resid_post"]})
     assert "activations" in small.model_extra["vlens"]
 
@@ -357,7 +357,7 @@ def test_an_activation_id_guessed_or_fetched_twice_is_a_404_that_says_why(client
         assert refused.value.code == 404
         message = json.loads(refused.value.read())["error"]["message"]
         assert "each is served once" in message
-    with pytest.raises(urllib.error.HTTPError, match="404"):  # no route outside the store
+    with pytest.raises(urllib.error.HTTPError, match="404"):  # no route outside those held
         fetch(server, urllib.parse.quote("../../etc/passwd", safe=""))
 
 
@@ -468,7 +468,7 @@ def test_lm_eval_with_a_shared_prefix_scores_as_without_the_cache(server, hooked
         assert log_likelihood == pytest.approx(expected, abs=1e-4), (context, continuation)
 
 
-# ---- the graph tier ---------------------------------------------------------------------------
+# ---- the compiled engine ---------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -598,18 +598,18 @@ def test_a_compiled_server_edits_sae_features_and_captures_the_top_k(
             complete(client, prompt, fields)
 
 
-# ---- the store and the fields, without a server ------------------------------------------------
+# ---- the held captures and the fields, without a server ------------------------------------------------
 
 
 def test_the_store_drops_the_oldest_and_refuses_what_it_cannot_hold():
-    from vlens.serve.store import ActivationStore
+    from vlens.serve.captures import HeldCaptures
 
-    store = ActivationStore(3000)
+    store = HeldCaptures(3000)
     ids = [store.put({"x": torch.full((100,), float(i))}) for i in range(8)]  # 472 bytes each
     assert store.size <= 3000 and store.take(ids[0]) is None
     assert load(store.take(ids[-1]))["x"][0] == 7.0
     assert store.take(ids[-1]) is None  # taken once
-    with pytest.raises(ValueError, match="--activation-store-bytes"):
+    with pytest.raises(ValueError, match="--capture-bytes"):
         store.put({"x": torch.zeros(1000)})
 
 

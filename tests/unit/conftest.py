@@ -2,7 +2,7 @@
 
 import pytest
 
-from vlens.engine.link import Engine
+from vlens.engine.engine import Engine
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""Operations of a forward's source (:mod:`vlens.runtime.source`) on a module of its own: named
+"""Operations of a forward's source (:mod:`vlens.runtime.sites.source`) on a module of its own: named
 in the order they run, routed only while a site is installed, refused inside loops."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from vlens.runtime.source import install_operation_site, operations
+from vlens.runtime.sites.source import install_operation_site, operations
 
 
 class Doubler(nn.Module):

@@ -1,5 +1,5 @@
 """A full CUDA graph captured with a hook site inside calls the site at every replay, between
-segments that compute on the graph's own buffers (:mod:`vlens.runtime.graph_breaks`); needs CUDA
+segments that compute on the graph's own buffers (:mod:`vlens.runtime.compiled.breaks`); needs CUDA
 (and vLLM's CUDA build, whose weak references the site keeps)."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from vlens.runtime import hook_sites
-from vlens.runtime.graph_breaks import SegmentedGraph, current
-from vlens.runtime.locations import Site
+from vlens.runtime.compiled import hook_sites
+from vlens.runtime.compiled.breaks import SegmentedGraph, current
+from vlens.runtime.vocabulary.locations import Site
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
 

@@ -1,4 +1,4 @@
-"""The graph tier's work around each step (``GraphSites.before_step``), on a one-layer module:
+"""The compiled engine's work around each step (``GraphSites.before_step``), on a one-layer module:
 steering terms are placed on the steered requests' rows, and a step that repeats the last one's
 rows and requests writes nothing, yet every step's forward is steered as if placed anew."""
 
@@ -8,13 +8,13 @@ import torch
 from torch import nn
 
 from vlens import Steer
-from vlens.runtime import graph as graph_module
-from vlens.runtime.graph import GraphName, GraphSites
-from vlens.runtime.layout import RequestRows, StepRows, rows_of
-from vlens.runtime.locations import Site
-from vlens.runtime.readers import OutputOf
-from vlens.runtime.steering import steered
+from vlens.runtime.compiled import graph as graph_module
+from vlens.runtime.compiled.graph import GraphName, GraphSites
+from vlens.runtime.steps.layout import RequestRows, StepRows, rows_of
 from vlens.runtime.tensor_parallel import TensorParallel
+from vlens.runtime.vocabulary.locations import Site
+from vlens.runtime.vocabulary.readers import OutputOf
+from vlens.runtime.vocabulary.steering import steered
 
 WIDTH = 4
 NAME = "blocks.0.hook_resid_post"

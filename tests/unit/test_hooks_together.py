@@ -1,5 +1,5 @@
 """Hook functions of several batches of one step, read and written back once
-(:func:`vlens.runtime.hooks.run_hooks_together`)."""
+(:func:`vlens.runtime.hooks.calls.run_hooks_together`)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from vlens.runtime.batches import Member, StepBatch
-from vlens.runtime.hooks import Hook, refuse_part_of_a_prefill, run_hooks, run_hooks_together
-from vlens.runtime.layout import RequestRows
-from vlens.runtime.messages import NamePlan, RequestCapture, RequestPlan
-from vlens.runtime.readers import OutputOf
-from vlens.runtime.sites import NarrowedCall
+from vlens.runtime.hooks.batches import Member, StepBatch
+from vlens.runtime.hooks.calls import Hook, refuse_part_of_a_prefill, run_hooks, run_hooks_together
+from vlens.runtime.sites.torch_hooks import NarrowedCall
+from vlens.runtime.steps.layout import RequestRows
+from vlens.runtime.transfer.messages import NamePlan, RequestCapture, RequestPlan
+from vlens.runtime.vocabulary.readers import OutputOf
 
 
 @dataclass(frozen=True)

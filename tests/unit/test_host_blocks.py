@@ -1,5 +1,5 @@
 """The shared host memory a worker's kept rows are written into and the user's process maps
-(:mod:`vlens.runtime.host_blocks`), in one process: the pool's worker side and the user's side
+(:mod:`vlens.runtime.transfer.host_blocks`), in one process: the pool's worker side and the user's side
 of one block are two mappings of one file, as they are across processes."""
 
 import gc
@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from vlens.runtime import host_blocks
-from vlens.runtime.host_blocks import HostBlockPool, open_reference
+from vlens.runtime.transfer import host_blocks
+from vlens.runtime.transfer.host_blocks import HostBlockPool, open_reference
 
 
 def one_call(pool: HostBlockPool, count: int, value: float) -> torch.Tensor:

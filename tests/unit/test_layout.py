@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from vlens.runtime.layout import TAG_KEY, RequestRows, follow_steps, runner_kind
-from vlens.runtime.messages import Chunk, RequestCapture
+from vlens.runtime.steps.layout import TAG_KEY, RequestRows, follow_steps, runner_kind
+from vlens.runtime.transfer.messages import Chunk, RequestCapture
 from vlens.runtime.worker import handed_back
 
 TEXTS = [

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vlens.runtime.pitched_copy import (
+from vlens.runtime.transfer.pitched_copy import (
     Copy,
     Runs,
     _as_one_series,

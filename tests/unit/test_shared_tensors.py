@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from vlens import Steer
-from vlens.runtime import shared_tensors
-from vlens.runtime.messages import PaddedRows
+from vlens.runtime.transfer import shared_tensors
+from vlens.runtime.transfer.messages import PaddedRows
 
 
 def _leftover_files() -> set[str]:

@@ -11,8 +11,9 @@ import pytest
 
 from vlens import cli
 from vlens.names.resolve import UnknownHookName
-from vlens.store.activations import StoreError, read_prompts
 from vlens.store.blocks import INDEX, block_prompts_of, cut_prompt_file
+from vlens.store.inputs import read_prompts
+from vlens.store.manifest import StoreError
 from vlens.store.on_ray import Workers, _pool, write_activations_on_ray
 from vlens.testing.tiny import tiny_model
 
@@ -56,7 +57,7 @@ def run(prompts, out, names=NAMES, **options):
 
 @pytest.mark.parametrize(
     ("names", "error", "message"),
-    [(["blocks.*.hook_resid_pots"], StoreError, "no hook name matches"),
+    [(["blocks.*.hook_resid_pots"], UnknownHookName, "no hook name of this model matches"),
      (["blocks.9.hook_resid_post"], UnknownHookName, "blocks.9.hook_resid_post"),
      (["blocks.0.attn.hook_pattern"], StoreError, "only token-major names")],
 )

@@ -1,6 +1,6 @@
 #!/bin/bash
-# The graph tier's tests on CUDA (tests/engine/test_compiled.py, tests/engine/test_steering.py,
-# tests/unit/test_step_store.py) under both model runners side by side, with torch.compile and CUDA
+# The compiled engine's tests on CUDA (tests/engine/test_compiled.py, tests/engine/test_steering.py,
+# tests/unit/test_kept_steps.py) under both model runners side by side, with torch.compile and CUDA
 # graphs on (about 4 minutes), on the GPU machine once the parts of tools/README.md are in
 # /tmp/vlens-parts; writes each runner's log under $OUT. Its benchmark is
 # `bash tools/gpu/bench.sh --skip eager,hf,transformer_lens`.
@@ -14,8 +14,8 @@ for v2 in 1 0; do
   (VLLM_USE_V2_MODEL_RUNNER=$v2 TRITON_F32_DEFAULT=ieee TRITON_CACHE_DIR=/tmp/triton-graph$v2 \
     VLENS_TEST_ENGINE_ARGS='{"gpu_memory_utilization": 0.08, "kv_cache_memory_bytes": 1073741824}' timeout "${TEST_TIMEOUT:-300}" \
     python3 -m pytest -q -p no:cacheprovider "$root/tests/engine/test_compiled.py" \
-    "$root/tests/engine/test_steering.py" "$root/tests/unit/test_step_store.py" > "$OUT/tests-runner$v2.log" 2>&1
-   echo "graph tier tests, VLLM_USE_V2_MODEL_RUNNER=$v2: exit $?"; tail -2 "$OUT/tests-runner$v2.log") &
+    "$root/tests/engine/test_steering.py" "$root/tests/unit/test_kept_steps.py" > "$OUT/tests-runner$v2.log" 2>&1
+   echo "compiled engine tests, VLLM_USE_V2_MODEL_RUNNER=$v2: exit $?"; tail -2 "$OUT/tests-runner$v2.log") &
 done
 wait
 grep -h "^FAILED\|^E " "$OUT"/tests-runner*.log | head -20

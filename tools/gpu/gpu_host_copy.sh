@@ -14,7 +14,7 @@ for shape in decode prefill; do
 done
 mkdir -p /tmp/vlens-plugins
 cat > /tmp/vlens-plugins/no_host_stream.py <<'PY'
-from vlens.runtime.host_stream import HostStream
+from vlens.runtime.transfer.host_stream import HostStream
 HostStream.available = staticmethod(lambda device: False)
 PY
 graph() {  # $1: label, then pytest arguments

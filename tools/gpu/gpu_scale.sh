@@ -1,11 +1,11 @@
 #!/bin/bash
-# The graph tier at scale, once the parts of tools/README.md are in /tmp/vlens-parts: `tp*` on two
+# The compiled engine at scale, once the parts of tools/README.md are in /tmp/vlens-parts: `tp*` on two
 # GPUs, `one` on one (or two); writes logs and benchmark results under $OUT.
 #   tp:  compiled TP=2 Qwen3-MoE and Llama against one eager rank (tests/engine/test_tensor_parallel.py;
-#        TEST_K selects), then the TP=2 benchmark of the graph tier (Qwen3-8B shape): about 10
+#        TEST_K selects), then the TP=2 benchmark of the compiled engine (Qwen3-8B shape): about 10
 #        minutes on a fresh machine; tp-tests and tp-bench run each half alone (the tests ~4-5
 #        minutes with Triton's cache empty, the benchmark ~5.5)
-#   one: the one-GPU benchmark of the graph tier on GPU 0 (every layer's capture streamed to the
+#   one: the one-GPU benchmark of the compiled engine on GPU 0 (every layer's capture streamed to the
 #        host), and on GPU 1 at the same time (or after it, on a one-GPU machine) the graph
 #        tier's tests (tests/engine/test_host_stream.py, tests/engine/test_compiled.py; TEST_K selects);
 #        BENCH_SKIP=eager,hf,transformer_lens also measures one layer and steering (about 4-6 min);

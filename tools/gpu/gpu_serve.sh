@@ -1,5 +1,5 @@
 #!/bin/bash
-# On one H200: bench/serve.py's graph-tier row (plain compiled `vllm serve` against
+# On one H200: bench/serve.py's compiled-engine row (plain compiled `vllm serve` against
 # `vlens serve --compiled-steering`, every request with its own vector) on Qwen3-8B's shape with
 # dummy bf16 weights, once the parts of tools/README.md are in /tmp/vlens-parts (about 5 minutes:
 # two server starts, each compiling). Writes serve.md and the servers' logs under $OUT.

@@ -27,7 +27,7 @@ pip download -q --no-deps -d "$stage" $plat transformer-lens==4.3.0 datasets==5.
   multiprocess==0.70.19 beartype==0.23.1 typeguard==4.6.1 fancy-einsum==0.0.3 \
   pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 pygments==2.21.0 \
   model-hosting-container-standards==0.1.16 jmespath==1.1.0 supervisor==4.3.0
-# pytest: the graph tier's tests; the last three: what vLLM 0.26's OpenAI server imports beyond
+# pytest: the compiled engine's tests; the last three: what vLLM 0.26's OpenAI server imports beyond
 # prepare.sh's wheels (vlens serve, tools/gpu/gpu_serve.sh)
 cp "$stage"/*.whl "$ours"/
 python3 -c "from vlens.testing.tiny import ARCHS, tiny_model; [tiny_model(a) for a in ARCHS]"

@@ -40,9 +40,9 @@ class ProbeModel:
         self.cfg = SimpleNamespace(**fields, device=torch.device("cpu"), default_prepend_bos=True)
         self.unembed = SimpleNamespace(W_U=model.W_U, b_U=model.b_U)
         embedding = next(
-            name for name in model.weights.file_of if "embed_tokens" in name or "wte" in name
+            name for name in model.checkpoint.weights.file_of if "embed_tokens" in name or "wte" in name
         )
-        self.embed = SimpleNamespace(W_E=model.weights[embedding])
+        self.embed = SimpleNamespace(W_E=model.checkpoint.weights[embedding])
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._model, name)

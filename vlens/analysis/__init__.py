@@ -1,3 +1,2 @@
-"""Research tools read from the model's checkpoint: the weights that TransformerLens's
-``ActivationCache`` analysis reads (:mod:`vlens.analysis.weights`) and the logit lens
-(:mod:`vlens.analysis.lens`)."""
+"""Research tools on a ``HookedVLLM``: the logit lens (:mod:`vlens.analysis.lens`). (The
+weights TransformerLens's ``ActivationCache`` analysis reads are :mod:`vlens.names.weight_views`.)"""

@@ -34,7 +34,7 @@ def lens_logits(model: HookedVLLM, prompt: str) -> Float[Tensor, "layer pos d_vo
     _, cache = model.run_with_cache(prompt, names_filter=names, return_type=None)
     resid = torch.stack([cache[name][0] for name in names]).float()  # [layer, pos, d_model]
     logits = model.ln_final(resid) @ model.W_U.float() + model.b_U.float()
-    return model.analysis.output_logits(logits)
+    return model.checkpoint.analysis.output_logits(logits)
 
 
 def logit_lens(model: HookedVLLM, prompt: str) -> LensView:

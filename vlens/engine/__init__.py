@@ -1,4 +1,5 @@
-"""One call, from plan to engine to cache: building vLLM's engine (:mod:`vlens.engine.link`),
-what it can serve (:mod:`vlens.engine.support`), a call's plans for the workers
-(:mod:`vlens.engine.planning`), the memory a cache would take (:mod:`vlens.engine.memory_budget`)
-and the cache assembled from what the workers hand back (:mod:`vlens.engine.cache`)."""
+"""One call, from plan to engine to cache: a model's checkpoint without its engine
+(:mod:`vlens.engine.checkpoint`), a call's meaning and its plans for the workers
+(:mod:`vlens.engine.planning`), vLLM's engine and the route to its workers
+(:mod:`vlens.engine.engine`, built with :mod:`vlens.engine.arguments`), and the values assembled
+from what the workers hand back (:mod:`vlens.engine.assembly`)."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
@@ -66,3 +67,16 @@ class WorkerWaits:
         self._held = None  # raised now, not again when the wait ends
         assert self._previous is not None
         self._previous(signum, frame)
+
+
+def step_whole_steps(llm_engine: Any, waits: WorkerWaits) -> None:
+    """Let a Ctrl-C stop ``llm_engine``'s calls only between steps (see :mod:`vlens.engine.interrupts`):
+    its ``step`` runs inside ``waits.wait()``."""
+    step = type(llm_engine).step
+    engine = weakref.ref(llm_engine)  # the engine holds the wrapper: no reference cycle
+
+    def whole_step() -> Any:
+        with waits.wait():
+            return step(engine())
+
+    llm_engine.step = whole_step

@@ -1,4 +1,5 @@
-"""Refusing a ``run_with_cache`` call whose cache would not fit in memory, before vLLM runs it.
+"""Where a ``run_with_cache`` call's cache goes, and refusing one that would not fit in memory,
+before vLLM runs it.
 
 The estimate comes from the call's plan: for each name the cache will hold (the names read from
 vLLM, and the derived names computed from them when the call finishes), the size of one
@@ -18,6 +19,8 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
+from vlens.engine.checkpoint import Checkpoint
+from vlens.engine.planning import CallPlan
 from vlens.names.compiled import dimension
 from vlens.names.derived import BuiltOnRead
 from vlens.names.mapping import DerivedSpec, Spec
@@ -121,22 +124,23 @@ def _meminfo_available() -> int | None:
 
 
 def check_cache_fits(
-    model: Any,
+    checkpoint: Checkpoint,
+    call: CallPlan,
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
-    wanted: Sequence[str],
-    kept: Sequence[str],
     device: torch.device,
     build_all: bool,
+    dtype: torch.dtype,
 ) -> None:
-    """Refuse (:class:`CacheTooLarge`) a call of ``model`` whose cache would take more than
+    """Refuse (:class:`CacheTooLarge`) a call whose cache (in ``dtype``) would take more than
     :data:`HEADROOM` of the memory available on ``device``, saying how to make it smaller."""
     available = available_bytes(device)
     if available is None:
         return
-    size = CallSize.of(prompts, max_new_tokens, model.engine.llm.model_config.dtype)
-    names = held_names(model.hook_specs, wanted, kept, build_all)
-    sizes = {name: value_bytes(model.hook_specs[name], model.hf_config, size) for name in names}
+    size = CallSize.of(prompts, max_new_tokens, dtype)
+    specs = checkpoint.hook_specs
+    names = held_names(specs, call.wanted, call.kept, build_all)
+    sizes = {name: value_bytes(specs[name], checkpoint.hf_config, size) for name in names}
     needed = sum(sizes.values())
     if needed > HEADROOM * available:
         raise CacheTooLarge(refusal(needed, available, device, size, sizes, build_all))
@@ -173,3 +177,11 @@ def _bytes(count: int) -> str:
         return f"{count / 2**30:.1f} GiB"
     return f"{math.ceil(count / 2**20)} MiB"
 
+
+def check_cache_device(device: Any, tensor_parallel_size: int) -> None:
+    """Under tensor parallelism values reach the user's process from another one, on the CPU."""
+    if device.type != "cpu" and tensor_parallel_size > 1:
+        raise NotImplementedError(
+            f"device={str(device)!r}: under tensor parallelism values come back through "
+            f"another process, on the CPU; leave device out"
+        )

@@ -1,22 +1,21 @@
-"""Turning one call (names to keep, hook functions, steers) into per-request plans for the workers,
-and the rules of a compiled engine: what its graph can read and which hooks it can run.
+"""Turning one call (names to read, hook functions, steers, what it returns) into per-request
+plans for the workers: :meth:`Planner.call`, the one way every kind of call goes.
 
 Hook functions on attention scores, patterns and per-head results (derived names whose mapping
 declares :class:`~vlens.names.mapping.ExplicitAttention`) become per-layer
-:class:`~vlens.runtime.messages.AttentionPlan` values: the worker computes those layers'
-attention for that request (:mod:`vlens.runtime.attention`)."""
+:class:`~vlens.runtime.transfer.messages.AttentionPlan` values: the worker computes those layers'
+attention for that request (:mod:`vlens.runtime.attention.explicit`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from transformers import PretrainedConfig
 
-from vlens.engine.support import EAGER
-from vlens.hooked.hook_registry import HookRegistry
-from vlens.names.compiled import LOGITS, CompiledNames, check_steerable, per_position_shape
+from vlens.names.compiled import EAGER, LOGITS, check_steerable, per_position_shape
 from vlens.names.mapping import (
     AttentionStage,
     DerivedSpec,
@@ -24,44 +23,95 @@ from vlens.names.mapping import (
     ExplicitStage,
     HookSpec,
     Site,
-    Spec,
-    per_sample,
+    site_sources,
 )
-from vlens.runtime.messages import AttentionPlan, HookFunction, NamePlan, RequestPlan
-from vlens.runtime.steering import AnySteer, SAESteer, Steer, as_hook_function, steers_by_name
+from vlens.names.resolve import NamesFilter, select
+from vlens.names.rules import NameRules
+from vlens.runtime.transfer.messages import AttentionPlan, HookFunction, NamePlan, RequestPlan
+from vlens.runtime.vocabulary.steering import (
+    AnySteer,
+    SAESteer,
+    Steer,
+    as_hook_function,
+    steers_by_name,
+)
 
 HooksByName = dict[str, tuple[HookFunction, ...]]
+
+
+@dataclass(frozen=True)
+class CallPlan:
+    """One call as the engine runs it (:meth:`Planner.call`)."""
+
+    names: list[str]  # the names its cache holds
+    result: str | None  # the name its output is read from (None: no output)
+    wanted: list[str]  # the names computed once it finishes: ``names`` and ``result``
+    kept: list[str]  # the names read at vLLM's sites for them
+    plans: list[RequestPlan]  # one per prompt
 
 
 class Planner:
     """Plans for the requests of one model's calls; ``compiled`` is None on an eager engine."""
 
-    def __init__(
-        self,
-        specs: dict[str, Spec],
-        registry: HookRegistry,
-        config: PretrainedConfig,
-        compiled: CompiledNames | None,
-    ) -> None:
-        self.specs = specs
-        self.registry = registry
+    def __init__(self, rules: NameRules, config: PretrainedConfig) -> None:
+        self.rules = rules
+        self.specs = rules.specs
         self.config = config
-        self.compiled = compiled
+        self.compiled = rules.compiled
         self._widths: dict[str, int] = {}  # see width: asked once per steer, for every prompt
-        #: the hook points of SAEs spliced in (:mod:`vlens.hooked.saes`): read and hooked in
-        #: Python, outside a compiled engine's graph
-        self.spliced: set[str] = set()
         #: each explicitly computable layer's stage names (scores, pattern, result)
         self.explicit: dict[ExplicitAttention, dict[AttentionStage, str]] = {}
-        for name, spec in specs.items():
+        for name, spec in self.specs.items():
             if isinstance(spec, DerivedSpec) and isinstance(spec.hookable, ExplicitStage):
                 stages = self.explicit.setdefault(spec.hookable.attention, {})
                 stages[spec.hookable.stage] = name
 
+    def call(
+        self,
+        prompts: int,
+        names_filter: NamesFilter = (),
+        hooks: Sequence[HooksByName] | None = None,
+        shared: HooksByName | None = None,
+        steering: Sequence[AnySteer] = (),
+        prompt_steering: Sequence[Sequence[AnySteer]] | None = None,
+        return_type: str | None = None,
+        stop_at_layer: int | None = None,
+    ) -> CallPlan:
+        """What a call of ``prompts`` prompts means, worked out the same way for
+        ``run_with_cache``, ``forward``, ``generate`` and a served request: the names
+        ``names_filter`` picks (:meth:`names`), the name its output is read from
+        (``return_type``'s logits, or with ``stop_at_layer`` the residual entering that block,
+        keeping only names computed before it), what is read at vLLM's sites for them (refused
+        where a compiled graph does not capture it), each prompt's steers and hook functions
+        (``hooks[i]``; those ``shared`` by every prompt) and a plan per prompt."""
+        names = self.names(names_filter)
+        result = LOGITS if return_type is not None else None
+        if stop_at_layer is not None:
+            stop = stopping_layer(stop_at_layer, self.config.num_hidden_layers)
+            names = [name for name in names if computed_before(name, stop)]
+            result = residual_entering(stop, self.config.num_hidden_layers)
+        wanted = names + ([result] if result is not None and result not in names else [])
+        kept = self.site_names(wanted)
+        self.rules.check_graph_reads(kept, return_type)
+        steers = self.steering(steering, prompt_steering, prompts)
+        plans = self.plans(kept, hooks or [{}] * prompts, steers, shared or {})
+        return CallPlan(names, result, wanted, kept, plans)
+
+    def names(self, names_filter: NamesFilter) -> list[str]:
+        """The names a call's ``names_filter`` picks, in forward order: names listed, among
+        every name (raw locations admitted included); without a list (None, a function), among
+        the canonical names this engine serves (:meth:`NameRules.served`)."""
+        if names_filter == [] or names_filter == ():
+            return []
+        known = list(self.specs)
+        if names_filter is None or callable(names_filter):
+            known = [name for name in self.rules.canonical_names if self.rules.served(name)]
+        return select(names_filter, known, self.rules.explain)
+
     def site_names(self, names: Sequence[str]) -> list[str]:
         """The names read from vLLM sites that ``names`` need (derived names' sources
         included), in forward order."""
-        needed = {site for name in names for site in self.registry.site_sources(name)}
+        needed = {site for name in names for site in site_sources(self.specs, name)}
         return [name for name in self.specs if name in needed]
 
     def plans(
@@ -150,7 +200,7 @@ class Planner:
             keep = frozenset(
                 stage
                 for stage in formed
-                if stage in names and set(self.registry.site_sources(names[stage])) <= kept_names
+                if stage in names and set(site_sources(self.specs, names[stage])) <= kept_names
             )
             common = all(name in shared for name in hooked_names[attention])
             plans.append(AttentionPlan(attention, dict(names), stage_hooks, keep, common))
@@ -206,7 +256,7 @@ class Planner:
             return self._checked_sae_steer(steer)
         if not isinstance(steer, Steer):
             raise TypeError(f"steering takes Steer and SAESteer values, got {type(steer).__name__}")
-        name = self.registry.names(steer.name)[0]
+        name = self.rules.hook_names(steer.name)[0]
         compiled = self.compiled
         if compiled is not None and name not in compiled.steering | compiled.hooks:
             raise ValueError(
@@ -237,66 +287,29 @@ class Planner:
             )
         return steer
 
-    # ---- a compiled engine's rules -------------------------------------------------------------
 
-    def served(self, name: str) -> bool:
-        """Whether ``name`` is among what a call without ``names_filter`` (or with a filter)
-        reads: any name in eager mode; on a compiled engine, a declared name traced into its
-        graph, one read outside the forward (the sampler's names), or one derived from such
-        names only. The logits, always traced, count only where declared."""
-        if self.compiled is not None and name == LOGITS:  # traced, but only read when asked for
-            return LOGITS in self.compiled.capture
-        return all(self._without_forward_hooks(site) for site in self.registry.site_sources(name))
+def stopping_layer(stop_at_layer: int, n_layers: int) -> int:
+    """TransformerLens's ``stop_at_layer`` (negative counts from the end) as a block index:
+    the forward runs blocks ``0 .. k-1`` and returns the residual stream entering block ``k``."""
+    layer = n_layers + stop_at_layer if stop_at_layer < 0 else stop_at_layer
+    if not 0 <= layer <= n_layers:
+        raise ValueError(f"stop_at_layer={stop_at_layer} is outside [-{n_layers}, {n_layers}]")
+    return layer
 
-    def check_graph_reads(self, kept: Sequence[str], return_type: str | None) -> None:
-        """Refuse names a compiled engine's graph does not capture."""
-        missing = [name for name in kept if not self._without_forward_hooks(name)]
-        if not missing:
-            return
-        if missing == [LOGITS] and return_type == "logits":
-            raise ValueError(
-                f"return_type='logits' reads {LOGITS}, which this compiled engine does not "
-                f"capture: add it to compiled_capture when loading, or pass return_type=None"
-            )
-        assert self.compiled is not None
-        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-        shown = ", ".join(missing[:5]) + more
-        raise ValueError(
-            f"{shown} not traced into this compiled engine's graph (it captures "
-            f"{len(self.compiled.capture)} names, declared when it was loaded): load it with them "
-            f"in compiled_capture, or use {EAGER} to read any name"
-        )
 
-    def check_hook_functions(self, names: Sequence[str]) -> None:
-        """Hook functions run inside a compiled graph only at the names declared in
-        ``compiled_hooks``: say what to do instead elsewhere."""
-        if self.compiled is None:
-            return
-        hookable = self.compiled.hooks | self.spliced
-        inside = [n for n in names if not per_sample(self.specs[n]) and n not in hookable]
-        if inside:
-            raise ValueError(
-                f"a Python hook function on {inside[0]} cannot run on this compiled engine: its "
-                f"forward is a traced graph, and hook functions run inside it only at the names "
-                f"declared when it was loaded ({sorted(hookable)[:3] or 'none'}"
-                f"{', ...' if len(hookable) > 3 else ''}). Load it with compiled_hooks=["
-                f"{inside[0]!r}], steer as data (Steer({inside[0]!r}, add=vector) with the name in "
-                f"compiled_steering), or load {EAGER}"
-            )
+def residual_entering(layer: int, n_layers: int) -> str:
+    """The name of the residual stream entering block ``layer`` (after the last: the final one)."""
+    if layer < n_layers:
+        return f"blocks.{layer}.hook_resid_pre"
+    return f"blocks.{n_layers - 1}.hook_resid_post"
 
-    def _without_forward_hooks(self, name: str) -> bool:
-        """Whether ``name`` needs no hook added to the forward: always on an eager engine; on a
-        compiled one, a name traced into its graph, read at one of its hook sites, or read
-        after the forward (the sampler's), or at an SAE spliced in."""
-        if self.compiled is None:
-            return True
-        compiled = self.compiled
-        return (
-            name in compiled.traced
-            or name in compiled.hooks
-            or name in self.spliced
-            or per_sample(self.specs[name])
-        )
+
+def computed_before(name: str, layer: int) -> bool:
+    """Whether a forward stopped before block ``layer`` computes ``name``: the embeddings and
+    the names of earlier blocks."""
+    if name.startswith("blocks."):
+        return int(name.split(".")[1]) < layer
+    return name.startswith(("hook_embed", "hook_pos_embed"))
 
 
 def shared_names(hooks: HooksByName, shared: HooksByName) -> frozenset[str]:

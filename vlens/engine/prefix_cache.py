@@ -5,7 +5,7 @@ from another request that computed the same tokens. That is exact for a request 
 generates, and wrong in two ways for vlens: a request that reads names would miss the cached
 positions' values, and a request whose forward is changed (a hook function, a steer) computes
 keys and values no plain request may reuse, nor it theirs. So, per request (its
-:class:`~vlens.runtime.messages.RequestPlan`):
+:class:`~vlens.runtime.transfer.messages.RequestPlan`):
 
 - nothing asked: it shares the cache as in plain vLLM;
 - names read but nothing changed: it computes every position (vLLM's
@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from vlens.runtime.messages import RequestPlan
-from vlens.runtime.steering import AnySteer, SAESteer, Steer, positions_as_data
+from vlens.runtime.transfer.messages import RequestPlan
+from vlens.runtime.vocabulary.steering import AnySteer, SAESteer, Steer, positions_as_data
 
 _own_salts = itertools.count()
 

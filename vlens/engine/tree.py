@@ -15,8 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vlens.engine.hf_classes import classes_left_as_they_were
-from vlens.engine.process_groups import single_device_groups
+from vlens.engine.process_state import classes_left_as_they_were, single_device_groups
 
 
 def weightless_model(path: str | Path, **engine_args: Any) -> nn.Module:

@@ -8,8 +8,23 @@ from typing import Literal
 
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-from vlens.hooked.tokens import PADDING_SIDES, tokenizer_bos_eos
 from vlens.names.mapping import ArchitectureMapping, attention_dimensions
+
+PaddingSide = Literal["left", "right"]
+PADDING_SIDES = ("left", "right")
+
+
+def tokenizer_bos_eos(tokenizer: PreTrainedTokenizerBase) -> tuple[bool, bool]:
+    """Whether ``tokenizer`` puts BOS in front of a text by itself, and EOS after it: what
+    TransformerLens records as ``cfg.tokenizer_prepends_bos`` / ``tokenizer_appends_eos``
+    (read off the ids of ``"a"``; a leading CLS counts as BOS)."""
+    ids = tokenizer.encode("a")
+    leading = {tokenizer.bos_token_id, getattr(tokenizer, "cls_token_id", None)} - {None}
+    prepends = len(ids) > 1 and ids[0] in leading
+    eos = tokenizer.eos_token_id
+    appends = len(ids) > 1 and eos is not None and ids[-1] == eos
+    return prepends, appends
+
 
 #: Architectures whose TransformerLens 4.3 adapter sets ``cfg.default_prepend_bos = False``
 #: (``transformer_lens/model_bridge/supported_architectures/*.py``): strings get no BOS unless

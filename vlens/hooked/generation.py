@@ -9,9 +9,11 @@ from dataclasses import dataclass
 from numbers import Integral, Real
 from typing import Any, Literal
 
+from vlens.engine.checkpoint import Checkpoint
+from vlens.engine.engine import Engine
 from vlens.hooked.hook_registry import FwdHooks
 from vlens.hooked.tokens import Input, is_texts
-from vlens.runtime.steering import AnySteer
+from vlens.runtime.vocabulary.steering import AnySteer
 
 GenerateReturnType = Literal["input", "str", "tokens", "result"]
 GENERATE_RETURN_TYPES: tuple[GenerateReturnType, ...] = ("input", "str", "tokens", "result")
@@ -28,11 +30,11 @@ class Generation:
 
 
 class GenerateMethods:
-    """Mixed into :class:`~vlens.HookedVLLM`: ``generate`` over its engine, planner and hooks."""
+    """Mixed into :class:`~vlens.HookedVLLM`: ``generate`` over its checkpoint's planner, its
+    engine and its hooks."""
 
-    engine: Any
-    planner: Any
-    registry: Any
+    checkpoint: Checkpoint
+    engine: Engine
     tokenizer: Any
     token_lists: Any
     _hooks_per_prompt: Any
@@ -64,7 +66,7 @@ class GenerateMethods:
 
         ``fwd_hooks`` (and hooks added with :meth:`add_hook`) apply to every prompt;
         ``prompt_hooks[i]`` to prompt ``i`` only, so one batch can mix steered and plain prompts.
-        ``steering`` (:class:`~vlens.runtime.steering.Steer` values) applies to every prompt and
+        ``steering`` (:class:`~vlens.runtime.vocabulary.steering.Steer` values) applies to every prompt and
         ``prompt_steering[i]`` to prompt ``i``: steering as data, which a compiled engine runs
         inside its graph (hook functions need an eager engine). Returns, as TransformerLens does,
         prompt + completion: text for text input (``return_type="input"``), or ``"str"`` /
@@ -88,9 +90,12 @@ class GenerateMethods:
         check_sampling(temperature, top_k, top_p)
         prompts = self.token_lists(input, prepend_bos, padding_side, truncate=False)
         self._warn_if_cut_short(prompts, max_new_tokens)
-        hooks = self._hooks_per_prompt(fwd_hooks, prompt_hooks, len(prompts), max_new_tokens > 1)
-        steers = self.planner.steering(steering, prompt_steering, len(prompts))
-        plans = self.planner.plans([], hooks, steers, self.registry.resolve(fwd_hooks))
+        hooks, shared = self._hooks_per_prompt(
+            fwd_hooks, prompt_hooks, len(prompts), max_new_tokens > 1
+        )
+        call = self.checkpoint.planner.call(
+            len(prompts), [], hooks, shared, steering, prompt_steering
+        )
         stops = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
         params = SamplingParams(
             max_tokens=int(max_new_tokens),
@@ -101,7 +106,7 @@ class GenerateMethods:
             ignore_eos=not stop_at_eos or bool(stops),
             stop_token_ids=stops if stop_at_eos else [],
         )
-        run = self.engine.run(prompts, plans, params)
+        run = self.engine.run(prompts, call.plans, params)
         if return_type == "result":
             return [
                 Generation(prompt, new, self._text(new), reason)

@@ -6,10 +6,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from vlens.hooked.hook_registry import AddedHook, HookRegistry
-from vlens.runtime.messages import HookFunction
+from vlens.runtime.transfer.messages import HookFunction
 
 if TYPE_CHECKING:
-    from vlens.analysis.weights import AnalysisWeights
+    from vlens.names.weight_views import AnalysisWeights
 
 
 class HookedModel(Protocol):

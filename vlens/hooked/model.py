@@ -2,64 +2,39 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Literal, NamedTuple, NoReturn
+from typing import Any, Literal, NoReturn
 
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 from transformer_lens.utilities import lm_cross_entropy_loss
-from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from vlens.analysis.weights import AnalysisWeights
-from vlens.engine.cache import VLensCache, assemble
-from vlens.engine.link import Engine, greedy
-from vlens.engine.memory_budget import check_cache_fits
-from vlens.engine.planning import LOGITS, HooksByName, Planner
-from vlens.engine.support import (
-    check_cache_device,
-    check_loadable,
-    model_impl_args,
-    refuse_gradients,
-)
+from vlens.engine.arguments import model_impl_args
+from vlens.engine.assembly import assemble
+from vlens.engine.checkpoint import Checkpoint
+from vlens.engine.engine import Engine, greedy
+from vlens.engine.memory_budget import check_cache_device, check_cache_fits
+from vlens.engine.planning import HooksByName
+from vlens.hooked.cache import VLensCache
 from vlens.hooked.config import ModelConfig
 from vlens.hooked.generation import GenerateMethods, check_max_new_tokens
-from vlens.hooked.hook_registry import FwdHooks, HookRegistry, NameOrFilter
-from vlens.hooked.module_surface import ModuleSurface
-from vlens.hooked.outputs import (
-    Output,
-    ReturnType,
-    check_return_type,
-    computed_before,
-    model_output,
-    residual_entering,
-    stopping_layer,
-)
+from vlens.hooked.hook_registry import FwdHooks, HookRegistry
+from vlens.hooked.module_surface import ModuleSurface, refuse_gradients
+from vlens.hooked.outputs import Output, ReturnType, check_return_type, model_output
 from vlens.hooked.saes import SAEMethods
 from vlens.hooked.tokens import Input, TokenMethods, prepare_tokenizer
 from vlens.hooked.views import ModelViews
-from vlens.mappings import mapping_for
-from vlens.names.checkpoint import CheckpointWeights
-from vlens.names.compiled import CompiledNames, declare, declare_saes
-from vlens.names.derived import SampledTokens
-from vlens.names.mapping import ArchitectureMapping, DerivedSpec, HookSpec, Site, Spec
+from vlens.names.compiled import LOGITS
 from vlens.names.raw import RawLocations, SourceListing
-from vlens.names.resolve import NamesFilter, select_names
-from vlens.runtime.messages import HookFunction
-from vlens.runtime.readers import OutputOf
-from vlens.runtime.steering import AnySteer
+from vlens.names.resolve import NamesFilter
+from vlens.names.rules import NameOrFilter
+from vlens.runtime.transfer.messages import HookFunction
+from vlens.runtime.vocabulary.steering import AnySteer
 from vlens.sae.autoencoder import SAE
-
-#: Engine-level names, the same for every architecture, one row per sampled token: each step's
-#: logits for the token a request samples next, as the sampler receives them (editable: a hook
-#: can ban or boost tokens for one request), and the token it sampled (read-only).
-SAMPLER_NAMES: dict[str, Spec] = {
-    "sampler.hook_logits": HookSpec(Site("logits_processor", "sampled"), OutputOf(), "new_pos d_vocab"),
-    "sampler.hook_tokens": DerivedSpec((), SampledTokens(), "new_pos"),
-}
 
 
 class HookedVLLM(TokenMethods, GenerateMethods, ModelViews, ModuleSurface, SAEMethods):
@@ -71,44 +46,31 @@ class HookedVLLM(TokenMethods, GenerateMethods, ModelViews, ModuleSurface, SAEMe
 
     def __init__(
         self,
+        checkpoint: Checkpoint,
         engine: Engine,
-        path: Path,
-        config: PretrainedConfig,
         tokenizer: PreTrainedTokenizerBase,
-        mapping: ArchitectureMapping,
-        compiled: CompiledNames | None = None,
         default_prepend_bos: bool | None = None,
         default_padding_side: Literal["left", "right"] | None = None,
     ) -> None:
+        self.checkpoint = checkpoint
         self.engine = engine
-        self.weights = CheckpointWeights(path)
-        self.hf_config = config
-        self.compiled = compiled
-        self.hook_specs: dict[str, Spec] = all_specs(mapping, config, compiled)
-        self.canonical_names = list(self.hook_specs)
         self.tokenizer = prepare_tokenizer(tokenizer, default_padding_side)
         self.cfg = ModelConfig.from_hf(
-            config,
-            mapping,
-            list(self.hook_specs),
+            checkpoint.hf_config,
+            checkpoint.mapping,
+            list(checkpoint.hook_specs),
             tokenizer=self.tokenizer,
             default_prepend_bos=default_prepend_bos,
             default_padding_side=default_padding_side,
         )
-        self.explain = mapping.unavailable
-        self.registry = HookRegistry(
-            self.hook_specs, self.explain, tensor_parallel_size=engine.tensor_parallel_size
-        )
-        self.planner = Planner(self.hook_specs, self.registry, config, compiled)
+        self.registry = HookRegistry(checkpoint.rules)
         self.raw = RawLocations(
-            self.hook_specs,
-            self.canonical_names,
+            checkpoint.hook_specs,
+            checkpoint.canonical_names,
             lambda: engine.watch_modules(self.token_lists("probe")[0]),
-            compiled is not None,
-            engine.tensor_parallel_size,
+            checkpoint.rules.check_raw_location,
             lambda path: engine.operations(path),
         )
-        self.analysis = AnalysisWeights(self.weights, mapping.weights, config, self.cfg.n_heads)
 
     @classmethod
     def from_pretrained(
@@ -133,43 +95,36 @@ class HookedVLLM(TokenMethods, GenerateMethods, ModelViews, ModuleSurface, SAEMe
         ``prepend_bos=False`` to a call to keep the text's own tokens (e.g. a chat template).
 
         Without compiled names the engine runs eager: every name can be read and hooked with
-        Python functions. With ``compiled_capture`` (names to read; lists or name filters) and/or
-        ``compiled_steering`` (names :class:`~vlens.runtime.steering.Steer` values may change) it runs in
-        vLLM's compiled mode (torch.compile, and CUDA graphs on a GPU) with those names traced
-        into the graph: much faster generation, but only the declared names, and steering as
-        data instead of hook functions. ``compiled_hooks`` (names or name filters) declares the
-        names where TransformerLens hook functions run inside the compiled graph, with the eager
-        engine's semantics; each can also be read and steered there.
+        Python functions. With ``compiled_capture`` (names to read; lists, glob patterns or
+        name filters) and/or ``compiled_steering`` (names
+        :class:`~vlens.runtime.vocabulary.steering.Steer` values may change) it runs in vLLM's
+        compiled mode (torch.compile, and CUDA graphs on a GPU) with those names traced into
+        the graph: much faster generation, but only the declared names, and steering as data
+        instead of hook functions. ``compiled_hooks`` declares the names where TransformerLens
+        hook functions run inside the compiled graph, with the eager engine's semantics; each
+        can also be read and steered there.
 
         ``compiled_saes`` (a name for each SAE -> the SAE, or the folder SAELens saved it in)
-        puts SAEs into the graph: :class:`~vlens.runtime.steering.SAESteer` values edit their
-        features per request (at most ``compiled_sae_slots`` distinct features of one SAE among
-        a call's or a server's requests at once), and with ``compiled_sae_top_k`` each SAE's
-        ``top_k`` largest features per position are names to read
+        puts SAEs into the graph: :class:`~vlens.runtime.vocabulary.steering.SAESteer` values
+        edit their features per request (at most ``compiled_sae_slots`` distinct features of
+        one SAE among a call's or a server's requests at once), and with ``compiled_sae_top_k``
+        each SAE's ``top_k`` largest features per position are names to read
         (``{hook_name}.hook_sae_acts_post.top_k_values`` and ``.top_k_indices``).
         """
-        model = checkpoint_of(
-            path, compiled_capture, compiled_steering, engine_kwargs, compiled_hooks,
+        checkpoint = Checkpoint.load(
+            path, engine_kwargs, compiled_capture, compiled_steering, compiled_hooks,
             compiled_saes, compiled_sae_slots, compiled_sae_top_k,
         )
-        graph_names = model.compiled.graph_names if model.compiled else ()
-        engine_kwargs = {**model_impl_args(model.mapping), **engine_kwargs}
-        engine = Engine(str(path), graph_names, model.mapping.cpu_engine_args, **engine_kwargs)
-        return cls(
-            engine,
-            Path(path),
-            model.config,
-            model.tokenizer,
-            model.mapping,
-            model.compiled,
-            default_prepend_bos,
-            default_padding_side,
-        )
+        engine_kwargs = {**model_impl_args(checkpoint.mapping), **engine_kwargs}
+        engine = Engine(str(path), checkpoint.graph_names, checkpoint.mapping.cpu_engine_args,
+                        **engine_kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        return cls(checkpoint, engine, tokenizer, default_prepend_bos, default_padding_side)
 
     @property
     def hook_names(self) -> list[str]:
         """Every canonical hook name of this model, in forward order."""
-        return list(self.canonical_names)
+        return list(self.checkpoint.canonical_names)
 
     def __repr__(self) -> str:
         return self.engine.module_tree()
@@ -188,7 +143,7 @@ class HookedVLLM(TokenMethods, GenerateMethods, ModelViews, ModuleSurface, SAEMe
             "original_model: TransformerLens's bridge wraps a HuggingFace model, but vlens runs "
             "the checkpoint in vLLM and holds no HuggingFace module; for a HuggingFace reference "
             "load one yourself: transformers.AutoModelForCausalLM.from_pretrained("
-            f"{str(self.weights.folder)!r})"
+            f"{str(self.checkpoint.path)!r})"
         )
 
     # ---- hooks (TransformerLens's API) -------------------------------------------------------
@@ -206,7 +161,6 @@ class HookedVLLM(TokenMethods, GenerateMethods, ModelViews, ModuleSurface, SAEMe
         if dir != "fwd":
             refuse_gradients(f"add_hook(dir={dir!r})")
         self.raw.admit(name)
-        self.planner.check_hook_functions(self.registry.names(name))
         self.registry.add(name, hook, is_permanent)
 
     def reset_hooks(self, clear_contexts: bool = True, including_permanent: bool = False) -> None:
@@ -343,36 +297,24 @@ class HookedVLLM(TokenMethods, GenerateMethods, ModelViews, ModuleSurface, SAEMe
         self._warn_if_cut_short(prompts, max_new_tokens)
         device = torch.device("cpu" if device is None else device)
         check_cache_device(device, self.engine.tensor_parallel_size)
-        hooks = self._hooks_per_prompt((), prompt_hooks, len(prompts), max_new_tokens > 1)
+        hooks, shared = self._hooks_per_prompt((), prompt_hooks, len(prompts), max_new_tokens > 1)
         names_filter, groups = self.raw.grouped(names_filter)
         self.raw.admit(names_filter, max_new_tokens > 1)
-        known = list(self.hook_specs)
-        if names_filter is None or callable(names_filter):  # raw locations only when named
-            known = [name for name in self.hook_names if self.planner.served(name)]
-        names = [] if names_filter == [] else select_names(names_filter, known, self.explain)
-        if stop_at_layer is not None:
-            stop = stopping_layer(stop_at_layer, self.cfg.n_layers)
-            names = [name for name in names if computed_before(name, stop)]
-            result = residual_entering(stop, self.cfg.n_layers)
-        else:
-            result = LOGITS if return_type is not None else None
-        wanted = names + ([result] if result is not None and result not in names else [])
-        kept = self.planner.site_names(wanted)
-        self.planner.check_graph_reads(kept, return_type)
-        build_all = not return_cache_object
-        check_cache_fits(self, prompts, max_new_tokens, wanted, kept, device, build_all)
-        steers = self.planner.steering(steering, prompt_steering, len(prompts))
-        plans = self.planner.plans(kept, hooks, steers, self.registry.resolve(()))
-        run = self.engine.run(prompts, plans, greedy(max_new_tokens), str(device))
-        values, cache = assemble(
-            self, run, prompts, max_new_tokens > 0, names, wanted, kept, device
+        call = self.checkpoint.planner.call(
+            len(prompts), names_filter, hooks, shared, steering, prompt_steering, return_type,
+            stop_at_layer,
         )
+        check_cache_fits(self.checkpoint, call, prompts, max_new_tokens, device,
+                         not return_cache_object, self.engine.dtype)
+        run = self.engine.run(prompts, call.plans, greedy(max_new_tokens), str(device))
+        assembled = assemble(self.checkpoint, call, run, prompts, max_new_tokens > 0, device)
+        cache = VLensCache.of(assembled, self)
         if stop_at_layer is not None:
-            output: Output = values[result]
+            assert call.result is not None
+            output: Output = assembled.values[call.result]
         else:
-            logits = values.get(LOGITS)
-            mask = cache.attention_mask
-            output = model_output(return_type, logits, cache.tokens, mask, loss_per_token)
+            output = model_output(return_type, assembled.values.get(LOGITS), assembled.tokens,
+                                  assembled.attention_mask, loss_per_token)
         cache.groups = groups
         if remove_batch_dim:
             cache.remove_batch_dim(len(prompts))
@@ -384,9 +326,10 @@ class HookedVLLM(TokenMethods, GenerateMethods, ModelViews, ModuleSurface, SAEMe
         prompt_hooks: Sequence[FwdHooks] | None,
         n_prompts: int,
         decoding: bool,
-    ) -> list[HooksByName]:
-        """Each prompt's hook functions by canonical name: the added ones, ``fwd_hooks``, then
-        its own ``prompt_hooks[i]``; raw locations admitted (``decoding``: past the prefill)."""
+    ) -> tuple[list[HooksByName], HooksByName]:
+        """Each prompt's hook functions by canonical name (the added ones, ``fwd_hooks``, then
+        its own ``prompt_hooks[i]``), and those shared by every prompt (the added ones and
+        ``fwd_hooks``); raw locations admitted (``decoding``: past the prefill)."""
         if prompt_hooks is not None and len(prompt_hooks) != n_prompts:
             raise ValueError(f"prompt_hooks has {len(prompt_hooks)} entries for {n_prompts} prompts")
         added = [hook.name for hook in self.registry.added]
@@ -396,10 +339,9 @@ class HookedVLLM(TokenMethods, GenerateMethods, ModelViews, ModuleSurface, SAEMe
         per_prompt = []
         for index in range(n_prompts):
             own = {} if prompt_hooks is None else self.registry.resolve(prompt_hooks[index], False)
-            hooks = {name: shared.get(name, ()) + own.get(name, ()) for name in {*shared, *own}}
-            self.planner.check_hook_functions(list(hooks))
-            per_prompt.append(hooks)
-        return per_prompt
+            per_prompt.append({name: shared.get(name, ()) + own.get(name, ())
+                               for name in {*shared, *own}})
+        return per_prompt, shared
 
     # ---- TransformerLens's settings ----------------------------------------------------------
 
@@ -415,62 +357,3 @@ class HookedVLLM(TokenMethods, GenerateMethods, ModelViews, ModuleSurface, SAEMe
 
     def set_use_attn_in(self, use_attn_in: bool) -> None:
         """Accepted: ``hook_attn_in`` is always offered."""
-
-
-class Checkpoint(NamedTuple):
-    """What a model is made of before its engine: config, mapping, compiled names, tokenizer."""
-
-    config: PretrainedConfig
-    mapping: ArchitectureMapping
-    compiled: CompiledNames | None
-    tokenizer: PreTrainedTokenizerBase
-
-
-def checkpoint_of(
-    path: str | Path,
-    compiled_capture: NamesFilter | Sequence[str],
-    compiled_steering: NamesFilter | Sequence[str],
-    engine_kwargs: dict[str, Any],
-    compiled_hooks: NamesFilter | Sequence[str] = (),
-    compiled_saes: dict[str, SAE | str | Path] | None = None,
-    compiled_sae_slots: int = 1024,
-    compiled_sae_top_k: int | None = None,
-) -> Checkpoint:
-    """A checkpoint's config and mapping, refused before any engine starts where vlens cannot
-    serve it with these engine arguments, and its compiled names declared (None: eager)."""
-    config = AutoConfig.from_pretrained(path)
-    mapping = mapping_for(config)
-    wants_graph = bool(compiled_capture or compiled_steering or compiled_hooks or compiled_saes)
-    check_loadable(mapping, config.architectures[0], engine_kwargs, wants_graph)
-    if compiled_sae_top_k is not None and not compiled_saes:
-        raise ValueError("compiled_sae_top_k without compiled_saes: declare the SAEs it reads")
-    compiled = None
-    if wants_graph:
-        specs = all_specs(mapping, config)
-        compiled = declare(
-            specs, config, compiled_capture, compiled_steering, mapping.unavailable, compiled_hooks
-        )
-        if compiled_saes:
-            saes = declare_saes(compiled_saes, specs, config, compiled_sae_slots,
-                                compiled_sae_top_k, mapping.unavailable)
-            compiled = compiled.with_saes(saes, specs, config)
-    return Checkpoint(config, mapping, compiled, AutoTokenizer.from_pretrained(path))
-
-
-def all_specs(
-    mapping: ArchitectureMapping, config: PretrainedConfig, compiled: CompiledNames | None = None
-) -> dict[str, Spec]:
-    """Every name of a model: its architecture's (each compiled SAE's top-k names after the
-    name it reads), then the sampler's."""
-    specs = mapping.expanded(config)
-    for compiled_sae in (compiled.saes.values() if compiled is not None else ()):
-        hook = specs[compiled_sae.hook]
-        assert isinstance(hook, HookSpec)
-        added = {
-            name: dataclasses.replace(hook, shape=f"pos {compiled_sae.top_k}", arrange=None)
-            for name in compiled_sae.captured_names
-        }
-        order = list(specs.items())
-        at = list(specs).index(compiled_sae.hook) + 1
-        specs = dict(order[:at] + list(added.items()) + order[at:])
-    return {**specs, **SAMPLER_NAMES}

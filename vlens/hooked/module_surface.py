@@ -11,8 +11,6 @@ from typing import Any
 
 import torch
 
-from vlens.engine.support import refuse_gradients
-
 
 class ModuleSurface:
     """Mixed into :class:`vlens.HookedVLLM` (which provides ``engine``)."""
@@ -72,3 +70,13 @@ class ModuleSurface:
     def engine_device_type(self) -> str:
         """Where vLLM runs the model: ``"cuda"``, ``"cpu"``, ..."""
         return str(self.engine.llm.llm_engine.vllm_config.device_config.device_type)
+
+
+def refuse_gradients(what: str) -> None:
+    """vLLM computes no gradients: say what to use for gradient-based methods."""
+    raise NotImplementedError(
+        f"{what}: vLLM runs inference only (no autograd graph, no backward pass), so gradients, "
+        f"backward hooks and attribution patching are not available. Run those on "
+        f"TransformerLens's TransformerBridge over HuggingFace; activation patching (forward "
+        f"hooks only) runs here, batched: vlens.patching"
+    )

@@ -39,27 +39,3 @@ def model_output(
         logits, tokens.to(logits.device), mask.to(logits.device), per_token=loss_per_token
     )
     return loss if return_type == "loss" else (logits, loss)
-
-
-def stopping_layer(stop_at_layer: int, n_layers: int) -> int:
-    """TransformerLens's ``stop_at_layer`` (negative counts from the end) as a block index:
-    the forward runs blocks ``0 .. k-1`` and returns the residual stream entering block ``k``."""
-    layer = n_layers + stop_at_layer if stop_at_layer < 0 else stop_at_layer
-    if not 0 <= layer <= n_layers:
-        raise ValueError(f"stop_at_layer={stop_at_layer} is outside [-{n_layers}, {n_layers}]")
-    return layer
-
-
-def residual_entering(layer: int, n_layers: int) -> str:
-    """The name of the residual stream entering block ``layer`` (after the last: the final one)."""
-    if layer < n_layers:
-        return f"blocks.{layer}.hook_resid_pre"
-    return f"blocks.{n_layers - 1}.hook_resid_post"
-
-
-def computed_before(name: str, layer: int) -> bool:
-    """Whether a forward stopped before block ``layer`` computes ``name``: the embeddings and
-    the names of earlier blocks."""
-    if name.startswith("blocks."):
-        return int(name.split(".")[1]) < layer
-    return name.startswith(("hook_embed", "hook_pos_embed"))

@@ -7,7 +7,7 @@ and the SAE's hook points become names of the model: ``{hook_name}.hook_sae_inpu
 the error term) and ``.hook_sae_output`` — readable in ``run_with_cache``, hookable like any name
 (a hook on ``hook_sae_acts_post`` edits features). With ``use_error_term`` the output is the
 reconstruction plus the error of a clean pass (``x − x̂_clean``), so that the model runs as
-without the SAE until a feature is edited. The worker side is :mod:`vlens.runtime.splices`.
+without the SAE until a feature is edited. The worker side is :mod:`vlens.runtime.sites.splices`.
 
 One difference from SAELens: the spliced name itself stays a name (its value is the SAE's output,
 what the model computes on), where SAELens replaces its hook point by the SAE.
@@ -19,16 +19,16 @@ import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from vlens.engine.checkpoint import Checkpoint
+from vlens.engine.engine import Engine
+from vlens.hooked.hook_registry import HookRegistry
 from vlens.names.compiled import sae_hook_name
 from vlens.names.mapping import HookSpec, Site
-from vlens.runtime.readers import OutputOf
-from vlens.runtime.splices import stage_path
+from vlens.runtime.sites.splices import stage_path
+from vlens.runtime.vocabulary.readers import OutputOf
 from vlens.sae.autoencoder import HOOK_NAMES, SAE
-
-if TYPE_CHECKING:
-    from vlens.hooked.model import HookedVLLM
 
 
 @dataclass(frozen=True)
@@ -51,20 +51,25 @@ class SAEMethods:
     """``add_sae``, ``reset_saes``, ``saes()``, ``run_with_saes``, ``run_with_cache_with_saes``
     and ``run_with_hooks_with_saes``, as SAELens's ``HookedSAETransformer`` has them."""
 
+    checkpoint: Checkpoint
+    engine: Engine
+    registry: HookRegistry
+    run_with_cache: Any
+    run_with_hooks: Any
     _attached: dict[str, Attached]
 
     @property
-    def acts_to_saes(self: HookedVLLM) -> dict[str, SAE]:
+    def acts_to_saes(self) -> dict[str, SAE]:
         """The SAEs spliced in, by the name each replaces."""
         return {name: attached.sae for name, attached in self._saes().items()}
 
-    def _saes(self: HookedVLLM) -> dict[str, Attached]:
+    def _saes(self) -> dict[str, Attached]:
         if not hasattr(self, "_attached"):
             self._attached = {}
         return self._attached
 
     def add_sae(
-        self: HookedVLLM,
+        self,
         sae: SAE,
         use_error_term: bool | None = None,
         exclude_special_tokens: bool | list[int] = False,
@@ -82,7 +87,7 @@ class SAEMethods:
                 "False, or zero the features at special tokens with a hook on hook_sae_acts_post"
             )
         name = self._sae_name(sae)
-        spec = self.hook_specs[name]
+        spec = self.checkpoint.hook_specs[name]
         error_term = sae.use_error_term if use_error_term is None else use_error_term
         if name in self._saes():
             self._detach(name)
@@ -91,9 +96,9 @@ class SAEMethods:
         self.engine.splice(key, spec.site, spec.read, sae, error_term)
         self._saes()[name] = attached
         self._add_sae_names(attached, spec)
-        self.planner.spliced |= set(attached.names)
+        self.checkpoint.rules.spliced |= set(attached.names)
 
-    def reset_saes(self: HookedVLLM, act_names: str | Sequence[str] | None = None) -> None:
+    def reset_saes(self, act_names: str | Sequence[str] | None = None) -> None:
         """Take out the SAEs at ``act_names`` (all when None); hooks added on their names go
         with them."""
         names = list(self._saes()) if act_names is None else act_names
@@ -106,12 +111,12 @@ class SAEMethods:
 
     @contextmanager
     def saes(
-        self: HookedVLLM,
+        self,
         saes: SAE | Sequence[SAE] = (),
         reset_saes_end: bool = True,
         use_error_term: bool | None = None,
         exclude_special_tokens: bool | list[int] = False,
-    ) -> Iterator[HookedVLLM]:
+    ) -> Iterator[Any]:
         """``with model.saes(saes=[sae]):`` — SAEs for the calls in the block; at its end (with
         ``reset_saes_end``) they are taken out and the SAEs they replaced put back."""
         replaced: list[tuple[str, Attached | None]] = []
@@ -130,7 +135,7 @@ class SAEMethods:
                         self.add_sae(before.sae, before.use_error_term)
 
     def run_with_saes(
-        self: HookedVLLM,
+        self,
         *model_args: Any,
         saes: SAE | Sequence[SAE] = (),
         reset_saes_end: bool = True,
@@ -143,7 +148,7 @@ class SAEMethods:
             return self(*model_args, **model_kwargs)
 
     def run_with_cache_with_saes(
-        self: HookedVLLM,
+        self,
         *model_args: Any,
         saes: SAE | Sequence[SAE] = (),
         reset_saes_end: bool = True,
@@ -156,7 +161,7 @@ class SAEMethods:
             return self.run_with_cache(*model_args, **kwargs)
 
     def run_with_hooks_with_saes(
-        self: HookedVLLM,
+        self,
         *model_args: Any,
         saes: SAE | Sequence[SAE] = (),
         reset_saes_end: bool = True,
@@ -169,10 +174,11 @@ class SAEMethods:
 
     # ---- the names -----------------------------------------------------------------------------
 
-    def _sae_name(self: HookedVLLM, sae: SAE) -> str:
+    def _sae_name(self, sae: SAE) -> str:
         """The canonical name ``sae`` reads, checked to be one it can replace on this model."""
-        name = sae_hook_name(sae, self.hook_specs, self.hf_config, self.explain)
-        if self.compiled is not None and name not in self.compiled.hooks:
+        checkpoint = self.checkpoint
+        name = sae_hook_name(sae, checkpoint.hook_specs, checkpoint.hf_config, checkpoint.explain)
+        if checkpoint.compiled is not None and name not in checkpoint.compiled.hooks:
             raise ValueError(
                 f"an SAE at {name} on this compiled engine: an SAE runs in Python, and the "
                 f"compiled graph calls into Python only at the names declared in compiled_hooks "
@@ -182,7 +188,7 @@ class SAEMethods:
             )
         return name
 
-    def _add_sae_names(self: HookedVLLM, attached: Attached, spec: HookSpec) -> None:
+    def _add_sae_names(self, attached: Attached, spec: HookSpec) -> None:
         """Make the SAE's hook points names of the model, right after the name it replaces."""
         d_in, d_sae = attached.sae.cfg.d_in, attached.sae.cfg.d_sae
         shapes = {
@@ -201,28 +207,22 @@ class SAEMethods:
             )
             for name in attached.names
         }
-        specs = list(self.hook_specs.items())
-        at = [name for name, _ in specs].index(attached.name) + 1
-        self._set_names(
-            dict(specs[:at] + list(added.items()) + specs[at:]), {*self.canonical_names, *added}
-        )
+        self.checkpoint.add_names_after(attached.name, added)
+        self._forget_views()
 
-    def _detach(self: HookedVLLM, name: str) -> None:
+    def _detach(self, name: str) -> None:
         attached = self._saes().pop(name)
-        spec = self.hook_specs[name]
+        checkpoint = self.checkpoint
+        spec = checkpoint.hook_specs[name]
         self.engine.splice(attached.key, spec.site, spec.read, None, False)
         gone = set(attached.names)
-        self.planner.spliced -= gone
+        checkpoint.rules.spliced -= gone
         self.registry.added = [hook for hook in self.registry.added if hook.name not in gone]
-        specs = {n: s for n, s in self.hook_specs.items() if n not in gone}
-        self._set_names(specs, set(self.canonical_names) - gone)
+        specs = {n: s for n, s in checkpoint.hook_specs.items() if n not in gone}
+        checkpoint.set_names(specs, set(checkpoint.canonical_names) - gone)
+        self._forget_views()
 
-    def _set_names(self: HookedVLLM, specs: dict[str, Any], canonical: set[str]) -> None:
-        """Replace the model's names: ``specs`` (in forward order; raw locations admitted so far
-        among them), of which ``canonical`` are its canonical names. Every part of the model
-        shares the one dict of specs."""
-        self.hook_specs.clear()
-        self.hook_specs.update(specs)
-        self.canonical_names[:] = [name for name in specs if name in canonical]
+    def _forget_views(self) -> None:
+        """The module-like views built over the names (:mod:`vlens.hooked.views`) are stale."""
         for cached in ("_hook_points", "_prefixes"):
             self.__dict__.pop(cached, None)

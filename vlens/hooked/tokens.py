@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Literal, TypeGuard
+from typing import Literal, TypeGuard
 
 import numpy as np
 import torch
@@ -36,12 +36,9 @@ from jaxtyping import Int
 from torch import Tensor
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-if TYPE_CHECKING:
-    from vlens.hooked.config import ModelConfig
+from vlens.hooked.config import PADDING_SIDES, ModelConfig, PaddingSide, tokenizer_bos_eos
 
 Input = str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]] | Tensor | np.ndarray
-PaddingSide = Literal["left", "right"]
-PADDING_SIDES = ("left", "right")
 #: What every prompt-taking method accepts, for error messages.
 PROMPT_FORMS = (
     "a str, a list of str, or token ids: an integer tensor or array of shape [pos] or "
@@ -53,18 +50,6 @@ EMPTY_INPUT = f"input is empty: give {PROMPT_FORMS}"
 class NotOneTokenError(ValueError, AssertionError):
     """A string that is not exactly one token. Both a ``ValueError`` (what vlens raised before)
     and an ``AssertionError`` (what TransformerLens's ``to_single_token`` raises)."""
-
-
-def tokenizer_bos_eos(tokenizer: PreTrainedTokenizerBase) -> tuple[bool, bool]:
-    """Whether ``tokenizer`` puts BOS in front of a text by itself, and EOS after it: what
-    TransformerLens records as ``cfg.tokenizer_prepends_bos`` / ``tokenizer_appends_eos``
-    (read off the ids of ``"a"``; a leading CLS counts as BOS)."""
-    ids = tokenizer.encode("a")
-    leading = {tokenizer.bos_token_id, getattr(tokenizer, "cls_token_id", None)} - {None}
-    prepends = len(ids) > 1 and ids[0] in leading
-    eos = tokenizer.eos_token_id
-    appends = len(ids) > 1 and eos is not None and ids[-1] == eos
-    return prepends, appends
 
 
 def prepare_tokenizer(

@@ -1,7 +1,7 @@
 """Module-like access to a vlens model, as TransformerLens's ``TransformerBridge`` gives it.
 
 vLLM's modules are not TransformerLens's, so these are views: ``model.blocks[3].attn`` holds that
-block's weights in TransformerLens's layouts (read from the checkpoint, :mod:`vlens.analysis.weights`) and
+block's weights in TransformerLens's layouts (read from the checkpoint, :mod:`vlens.names.weight_views`) and
 its hook names as attributes, each a :class:`HookPointView` (``model.blocks[3].attn.hook_z``) whose
 ``add_hook`` / ``remove_hooks`` go through the model's own hook registry. Model-level weights are
 stacked over layers (``model.W_Q``: ``[layer, head, d_model, d_head]``), and ``model.QK`` /
@@ -22,15 +22,10 @@ from jaxtyping import Float
 from torch import Tensor
 from transformer_lens import FactoredMatrix
 
-from vlens.analysis.weights import (
-    AttentionWeights,
-    BlockWeights,
-    MlpWeights,
-    NormWeights,
-    WeightViews,
-)
 from vlens.hooked.hook_points import HookPointView
 from vlens.hooked.hook_registry import HookRegistry
+from vlens.hooked.weight_views import WeightViews
+from vlens.names.weight_views import AttentionWeights, BlockWeights, MlpWeights, NormWeights
 
 
 class HookNamespace:
@@ -61,7 +56,7 @@ class NormView(NormWeights, HookNamespace):
     """``ln1``, ``ln2``, ``ln_final``: ``w`` (``b`` for LayerNorm), callable, and hook names."""
 
     def __init__(self, model: ModelViews, prefix: str, w: str, b: str, layer: int | None) -> None:
-        NormWeights.__init__(self, model.analysis, w, b, layer)
+        NormWeights.__init__(self, model.checkpoint.analysis, w, b, layer)
         HookNamespace.__init__(self, model, prefix)
 
 
@@ -69,7 +64,7 @@ class AttentionView(AttentionWeights, HookNamespace):
     """``blocks[l].attn``: ``W_Q``... ``b_O`` and the block's ``attn.hook_*`` names."""
 
     def __init__(self, model: ModelViews, layer: int) -> None:
-        AttentionWeights.__init__(self, model.analysis, layer)
+        AttentionWeights.__init__(self, model.checkpoint.analysis, layer)
         HookNamespace.__init__(self, model, f"blocks.{layer}.attn")
 
 
@@ -77,7 +72,7 @@ class MlpView(MlpWeights, HookNamespace):
     """``blocks[l].mlp``: ``W_in``, ``W_gate``, ``W_out``, biases and ``mlp.hook_*`` names."""
 
     def __init__(self, model: ModelViews, layer: int) -> None:
-        MlpWeights.__init__(self, model.analysis, layer)
+        MlpWeights.__init__(self, model.checkpoint.analysis, layer)
         HookNamespace.__init__(self, model, f"blocks.{layer}.mlp")
 
 
@@ -85,7 +80,7 @@ class BlockView(BlockWeights, HookNamespace):
     """``blocks[l]``: ``attn``, ``mlp``, ``ln1``, ``ln2`` and the block's hook names."""
 
     def __init__(self, model: ModelViews, layer: int) -> None:
-        BlockWeights.__init__(self, model.analysis, layer)
+        BlockWeights.__init__(self, model.checkpoint.analysis, layer)
         HookNamespace.__init__(self, model, f"blocks.{layer}")
         self._layer = layer
 
@@ -109,23 +104,23 @@ class BlockView(BlockWeights, HookNamespace):
 class EmbedView(HookNamespace):
     @property
     def W_E(self) -> Float[Tensor, "d_vocab d_model"]:
-        return self._model.analysis.require("W_E")
+        return self._model.checkpoint.analysis.require("W_E")
 
 
 class PosEmbedView(HookNamespace):
     @property
     def W_pos(self) -> Float[Tensor, "n_ctx d_model"]:
-        return self._model.analysis.require("W_pos")
+        return self._model.checkpoint.analysis.require("W_pos")
 
 
 class UnembedView(HookNamespace):
     @property
     def W_U(self) -> Float[Tensor, "d_model d_vocab"]:
-        return self._model.analysis.W_U
+        return self._model.checkpoint.analysis.W_U
 
     @property
     def b_U(self) -> Float[Tensor, " d_vocab"]:
-        return self._model.analysis.b_U
+        return self._model.checkpoint.analysis.b_U
 
 
 class ModelViews(WeightViews):
@@ -294,7 +289,7 @@ class ModelViews(WeightViews):
     @property
     def W_gate(self) -> Float[Tensor, "layer d_model d_mlp"] | None:
         """None for an ungated MLP, as TransformerLens's bridge."""
-        return None if self.analysis.names.W_gate is None else self._stacked("mlp", "W_gate")
+        return None if self.checkpoint.analysis.names.W_gate is None else self._stacked("mlp", "W_gate")
 
     @property
     def b_in(self) -> Float[Tensor, "layer d_mlp"]:
@@ -347,7 +342,7 @@ class ModelViews(WeightViews):
             if mlp.W_gate is not None:
                 params[f"{at}.mlp.W_gate"] = mlp.W_gate
             for name in ("ln1", "ln2"):
-                if getattr(self.analysis.names, f"{name}_w") is not None:  # OLMo-2: post-norms
+                if getattr(self.checkpoint.analysis.names, f"{name}_w") is not None:  # OLMo-2: post-norms
                     params.update(_norm_params(f"{at}.{name}", getattr(block, name)))
         params.update(_norm_params("ln_final", self.ln_final))
         params["unembed.W_U"] = self.W_U

@@ -2,11 +2,11 @@
 functions at.
 
 vLLM's compiled mode traces the forward once; only hooks present at that moment run afterwards
-(:mod:`vlens.runtime.graph`). So a compiled engine serves exactly the names declared here:
+(:mod:`vlens.runtime.compiled.graph`). So a compiled engine serves exactly the names declared here:
 ``compiled_capture`` (names to read; a derived name such as ``attn.hook_pattern`` declares the
-names it is built from), ``compiled_steering`` (names :class:`~vlens.runtime.steering.Steer`
+names it is built from), ``compiled_steering`` (names :class:`~vlens.runtime.vocabulary.steering.Steer`
 values may change) and ``compiled_hooks`` (names where Python hook functions run inside the graph,
-:mod:`vlens.runtime.hook_sites`; such a name can also be read and steered, through the same
+:mod:`vlens.runtime.compiled.hook_sites`; such a name can also be read and steered, through the same
 site; an attention stage, scores, pattern or per-head results, declares the names it is built
 from and a ``call`` site where the layer's attention is computed in Python for its hooks).
 Everything else is refused with the eager alternative named.
@@ -15,7 +15,6 @@ Everything else is refused with the eager alternative named.
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +22,6 @@ from pathlib import Path
 import torch
 from transformers import PretrainedConfig
 
-from vlens.engine.support import EAGER
 from vlens.names.mapping import (
     DerivedSpec,
     ExplicitStage,
@@ -33,12 +31,15 @@ from vlens.names.mapping import (
     attention_dimensions,
     site_sources,
 )
-from vlens.names.resolve import Explain, NamesFilter, canonical, select_names
-from vlens.runtime.graph import GraphName
-from vlens.runtime.locations import Site
-from vlens.runtime.readers import LogitsOf, writable
-from vlens.runtime.sae_graph import CompiledSAE
+from vlens.names.resolve import Explain, NamesFilter, canonical, select
+from vlens.runtime.compiled.graph import GraphName
+from vlens.runtime.compiled.saes import CompiledSAE
+from vlens.runtime.vocabulary.locations import Site
+from vlens.runtime.vocabulary.readers import LogitsOf, writable
 from vlens.sae.autoencoder import SAE
+
+#: How to get an engine that runs any Python hook function on any name.
+EAGER = "HookedVLLM.from_pretrained(path) without compiled names (eager mode)"
 
 #: The logits: traced into every compiled graph as the final norm's rows (one ``d_model`` row
 #: per position; the vocabulary-wide logits are computed after the step, for rows kept only), so
@@ -188,7 +189,7 @@ def logits_rows(specs: dict[str, Spec]) -> set[str]:
 
 
 def check_steerable(name: str, spec: Spec) -> None:
-    """A :class:`~vlens.runtime.steering.Steer` changes one of vLLM's own position-major tensors through
+    """A :class:`~vlens.runtime.vocabulary.steering.Steer` changes one of vLLM's own position-major tensors through
     its name's write rule: refuse any other name."""
     if isinstance(spec, DerivedSpec) or not writable(spec.read) or spec.arrange is not None:
         raise ValueError(
@@ -255,21 +256,7 @@ def _chosen(
         )
     if not callable(names) and not isinstance(names, str) and len(names) == 0:
         return []
-    if not callable(names):
-        names = [found for name in ([names] if isinstance(names, str) else names)
-                 for found in _matches(name, known)]
-    return select_names(names, known, explain)
-
-
-def _matches(name: str, known: list[str]) -> list[str]:
-    """A declared name, or the names a glob pattern (``blocks.*.hook_resid_post``) matches."""
-    if not any(character in name for character in "*?["):
-        return [name]
-    found = fnmatch.filter(known, name)
-    if not found:
-        raise ValueError(f"the pattern {name!r} matches none of this model's hook names "
-                         f"(model.hook_names lists them)")
-    return found
+    return select(names, known, explain)
 
 
 def declare_saes(

@@ -7,7 +7,7 @@ and patterns, which grow with the square of the prompt, are built only when read
 (:mod:`vlens.names.lazy_patterns`).
 
 Where hook functions made the worker form one of them for some requests (attention computed
-explicitly at a hooked layer, :mod:`vlens.runtime.attention`), those requests' values are the
+explicitly at a hooked layer, :mod:`vlens.runtime.attention.explicit`), those requests' values are the
 worker's, as the hooks left them (:func:`with_formed`): TransformerLens caches a value after
 its hooks ran.
 """
@@ -23,8 +23,9 @@ from einops import einsum, rearrange, repeat
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from vlens.names.checkpoint import CheckpointWeights
 from vlens.names.lazy_patterns import LazyAttention
+from vlens.names.weights import CheckpointWeights
+from vlens.runtime.attention.arithmetic import per_head_results
 
 #: What a derived name's computation gives: a tensor, or (:class:`BuiltOnRead`) a value built when
 #: it is read.
@@ -123,8 +124,7 @@ class HeadResults:
 
     def __call__(self, sources: list[Tensor], batch: Batch) -> Float[Tensor, "b pos head d_model"]:
         (z,) = sources
-        w_o = rearrange(batch.weights[self.weight_name], "m (h d) -> h d m", h=z.shape[2])
-        return einsum(z.float(), w_o.float(), "b p h d, h d m -> b p h m").to(z.dtype)
+        return batched_head_results(z, batch.weights[self.weight_name].T)
 
 
 @dataclass(frozen=True)
@@ -142,8 +142,16 @@ class Conv1DHeadResults:
     def __call__(self, sources: list[Tensor], batch: Batch) -> Float[Tensor, "b pos head d_model"]:
         (z,) = sources
         name = next((n for n in self.weight_names if n in batch.weights), self.weight_names[0])
-        w_o = rearrange(batch.weights[name], "(h d) m -> h d m", h=z.shape[2])
-        return einsum(z.float(), w_o.float(), "b p h d, h d m -> b p h m").to(z.dtype)
+        return batched_head_results(z, batch.weights[name])
+
+
+def batched_head_results(
+    z: Float[Tensor, "b pos head d_head"], weight: Float[Tensor, "heads_d_head d_model"]
+) -> Float[Tensor, "b pos head d_model"]:
+    """Each head's output through ``weight`` (``W_O`` as ``[H·d_head, d_model]``), for a padded
+    batch: the worker's own arithmetic (:func:`~vlens.runtime.attention.arithmetic.per_head_results`),
+    so that a result computed after the call equals one computed for a hook."""
+    return per_head_results(z.flatten(0, 1), weight).unflatten(0, z.shape[:2]).to(z.dtype)
 
 
 def with_formed(value: Value, formed: Sequence[Tensor | None]) -> Value:

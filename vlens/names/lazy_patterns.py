@@ -7,7 +7,7 @@ the prompt) and builds the value on demand: request by request and a block of qu
 time, straight into the preallocated result, so building one costs about its own size plus a few
 blocks of temporaries.
 
-The arithmetic is the worker's explicit attention (:mod:`vlens.runtime.attention_math`):
+The arithmetic is the worker's explicit attention (:mod:`vlens.runtime.attention.arithmetic`):
 ``q·kᵀ·scale`` in float32, soft-capped and windowed where the layer is, causally masked, rounded
 to q's dtype, then (pattern) a float32 softmax. Padding follows TransformerLens's layout of a
 padded batch: the scores of padding keys are -inf and padding query rows hold ``q·kᵀ`` of the
@@ -25,7 +25,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from vlens.runtime.attention_math import causal_scores, softmax_pattern
+from vlens.runtime.attention.arithmetic import causal_scores, softmax_pattern
 
 Stage = Literal["scores", "pattern"]
 
@@ -47,7 +47,7 @@ class LazyAttention:
     replaces the rebuilt one, as :func:`vlens.names.derived.with_formed` does for eager names.
     Without ``batched`` the value has no batch axis (a batch of one, its axis removed).
     ``soft_cap`` and ``window``: the layer's attention-logit soft cap and sliding window, if any
-    (:func:`~vlens.runtime.attention_math.causal_scores`).
+    (:func:`~vlens.runtime.attention.arithmetic.causal_scores`).
     """
 
     stage: Stage

@@ -2,14 +2,14 @@
 
 A mapping file (``mappings/<arch>.py``) says, for each TransformerLens hook name, either *where*
 its value lives in vLLM's module tree (a :class:`Site`) and *how* to turn what that module sees
-into TransformerLens's value (a reader, :mod:`vlens.runtime.readers`) — a :class:`HookSpec`; or how to
+into TransformerLens's value (a reader, :mod:`vlens.runtime.vocabulary.readers`) — a :class:`HookSpec`; or how to
 compute it from other names once a request is complete (:mod:`vlens.names.derived`) — a
 :class:`DerivedSpec`. The runtime knows nothing about architectures.
 
 vLLM never forms attention scores, patterns or per-head results. A mapping that declares what
 computing one layer's attention needs (:class:`ExplicitAttention`) lets hook functions run on
 them: at the layers and for the requests that carry such hooks, the worker computes that layer's
-attention itself (:mod:`vlens.runtime.attention`).
+attention itself (:mod:`vlens.runtime.attention.explicit`).
 
 Names, paths, sources and weight names may contain ``{layer}``; :func:`expand_layers` makes one
 entry per layer.
@@ -23,20 +23,18 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from vlens.names import derived
-from vlens.names.checkpoint import WeightNames
-from vlens.runtime import readers
-
-# Mapping files take the leaf vocabulary (where a value lives) from here too.
-from vlens.runtime.locations import (
+from vlens.names.weights import WeightNames
+from vlens.runtime.vocabulary import readers
+from vlens.runtime.vocabulary.locations import (
     Argument,
     AttentionStage,
     ExplicitAttention,
     Site,
     Split,
 )
-from vlens.runtime.locations import PartialSums as PartialSums  # for the mapping files
-from vlens.runtime.locations import Shards as Shards  # for the mapping files
-from vlens.runtime.readers import Reader
+from vlens.runtime.vocabulary.locations import PartialSums as PartialSums  # for the mapping files
+from vlens.runtime.vocabulary.locations import Shards as Shards  # for the mapping files
+from vlens.runtime.vocabulary.readers import Reader
 
 
 @dataclass(frozen=True)
@@ -173,6 +171,14 @@ def rms_scale(of: HookSpec, eps: float) -> HookSpec:
 
 def rms_normalized(of: HookSpec, eps: float) -> HookSpec:
     return HookSpec(of.site, readers.RmsNormalized(of.read, eps), of.shape)
+
+
+def names_after(specs: dict[str, Spec], name: str, added: dict[str, Spec]) -> dict[str, Spec]:
+    """``specs`` with ``added`` inserted right after ``name``, in forward order (a template's
+    names, or a model's: an SAE's hook points after the name it replaces)."""
+    order = list(specs.items())
+    at = list(specs).index(name) + 1
+    return dict(order[:at] + list(added.items()) + order[at:])
 
 
 def logits(of: HookSpec) -> HookSpec:

@@ -1,7 +1,7 @@
 """Raw vLLM locations as hook names: any module path of ``print(model)`` plus ``.output``,
 ``.input`` or ``.inputs`` — the escape hatch where no canonical name exists yet — and any
 operation inside a module's forward, ``PATH.source.OP`` plus the same
-(:mod:`vlens.runtime.source`; ``model.source(PATH)`` lists them).
+(:mod:`vlens.runtime.sites.source`; ``model.source(PATH)`` lists them).
 
 - ``PATH.output``: what the module returns. vLLM's linear layers return ``(tensor, bias)``; the
   hook sees the tensor (element 0). ``PATH.output.N`` picks element ``N`` of a tuple.
@@ -23,12 +23,11 @@ from functools import cached_property
 
 from torch import Tensor
 
-from vlens.engine.support import check_raw_location
 from vlens.names.mapping import HookSpec, Spec
 from vlens.names.resolve import UnknownHookName
-from vlens.runtime.locations import Site, SiteCall
-from vlens.runtime.messages import ModuleRecord
-from vlens.runtime.source import SOURCE, Operation, missing
+from vlens.runtime.sites.source import SOURCE, Operation, missing
+from vlens.runtime.transfer.messages import ModuleRecord
+from vlens.runtime.vocabulary.locations import Site, SiteCall
 
 RAW_NAME = re.compile(
     r"(?P<path>[\w.]+?)(?:\.source\.(?P<operation>\w+))?\.(?P<kind>output|inputs|input)"
@@ -205,16 +204,15 @@ class RawLocations:
         specs: dict[str, Spec],
         canonical_names: Sequence[str],
         watch: Callable[[], dict[str, ModuleRecord]],
-        compiled: bool,
-        tensor_parallel_size: int,
+        check: Callable[[str], None],
         operations: OperationLister,
     ) -> None:
+        """``check``: refuses a raw location the engine cannot hook (:meth:`~vlens.names.rules.NameRules.check_raw_location`)."""
         self.specs = specs
-        self.canonical_names = set(canonical_names)
+        self.canonical_names = canonical_names
         self.watch = watch
+        self.check = check
         self.operations = operations
-        self.compiled = compiled
-        self.tensor_parallel_size = tensor_parallel_size
 
     @cached_property
     def module_records(self) -> dict[str, ModuleRecord]:
@@ -272,7 +270,7 @@ class RawLocations:
             if name.rsplit(".", 1)[0] in self.canonical_names:
                 continue
             if name not in self.specs:
-                check_raw_location(name, self.compiled, self.tensor_parallel_size)
+                self.check(name)
                 self.specs[name] = raw_spec(name, self.module_records, self.operations)
             spec = self.specs[name]
             assert isinstance(spec, HookSpec)

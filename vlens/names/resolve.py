@@ -1,15 +1,18 @@
 """Turning what a user types into a canonical TransformerLens hook name.
 
 Accepted: canonical names (``blocks.3.hook_resid_post``), TransformerLens 4 bridge names
-(``blocks.3.hook_out``), and, in cache lookups, TransformerLens's short forms
-(``cache["resid_post", 3]``, resolved by TransformerLens's own ``get_act_name``).
+(``blocks.3.hook_out``), glob patterns where many names are wanted (``blocks.*.hook_resid_post``)
+and, in cache lookups, TransformerLens's short forms (``cache["resid_post", 3]``, resolved by
+TransformerLens's own ``get_act_name``). Every part of vlens that reads names a user typed resolves
+them here (:func:`canonical`, :func:`select`), with one "did you mean" rule (:func:`nearest`).
 """
 
 from __future__ import annotations
 
 import difflib
+import fnmatch
 import re
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 from transformer_lens.utilities import get_act_name
 
@@ -58,9 +61,26 @@ ALIASES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
 
 NamesFilter = None | str | Sequence[str] | Callable[[str], bool]
 
+#: A block's index inside a name, as a layer template writes it (``blocks.*.hook_z``).
+_LAYER = re.compile(r"\.\d+\.")
+
+
+def is_pattern(name: str) -> bool:
+    """Whether ``name`` is a glob pattern (``blocks.*.hook_resid_post``) rather than a name."""
+    return any(character in name for character in "*?[")
+
+
+def nearest(typed: str, known: Iterable[str]) -> list[str]:
+    """The names nearest to what was typed, for a "did you mean". A pattern is compared with
+    the names' layer templates (``blocks.*.hook_z``), so that one suggestion covers every
+    layer."""
+    candidates = sorted({_LAYER.sub(".*.", name) for name in known}) if is_pattern(typed) else known
+    return difflib.get_close_matches(typed, list(candidates), n=5, cutoff=0.6)
+
 
 class UnknownHookName(KeyError):
-    """A hook name this model does not have; the message lists the nearest ones it does."""
+    """A hook name (or pattern) this model does not have; the message lists the nearest ones it
+    does."""
 
     def __init__(
         self,
@@ -70,9 +90,13 @@ class UnknownHookName(KeyError):
         listing: str = "model.hook_names lists all",
         noun: str = "a hook name",
     ) -> None:
-        near = difflib.get_close_matches(name, list(known), n=5, cutoff=0.6)
+        near = nearest(name, known)
         hint = f" Did you mean: {', '.join(near)}?" if near else ""
-        super().__init__(f"{name!r} is not {noun} of {what}.{hint} ({listing}.)")
+        if is_pattern(name):
+            problem = f"no {noun.removeprefix('a ')} of {what} matches {name!r}."
+        else:
+            problem = f"{name!r} is not {noun} of {what}."
+        super().__init__(f"{problem}{hint} ({listing}.)")
 
     def __str__(self) -> str:
         return str(self.args[0])
@@ -91,7 +115,11 @@ class UnavailableHookName(UnknownHookName):
 
 
 def canonical(
-    name: str, known: Collection[str], what: str = "this model", explain: Explain | None = None
+    name: str,
+    known: Collection[str],
+    what: str = "this model",
+    explain: Explain | None = None,
+    listing: str = "model.hook_names lists all",
 ) -> str:
     """The canonical spelling of ``name``, or :class:`UnknownHookName` (with the architecture's
     reason when ``explain`` has one)."""
@@ -105,7 +133,7 @@ def canonical(
     reason = explain(name) if explain is not None else None
     if reason is not None:
         raise UnavailableHookName(reason)
-    raise UnknownHookName(name, known, what)
+    raise UnknownHookName(name, known, what, listing)
 
 
 def short_form(key: tuple) -> str:
@@ -113,17 +141,32 @@ def short_form(key: tuple) -> str:
     return get_act_name(*key)
 
 
-def select_names(
-    names_filter: NamesFilter, known: Sequence[str], explain: Explain | None = None
+def select(
+    names_filter: NamesFilter,
+    known: Sequence[str],
+    explain: Explain | None = None,
+    listing: str = "model.hook_names lists all",
+    label: str = "names_filter",
 ) -> list[str]:
-    """The canonical names a TransformerLens ``names_filter`` picks, in forward order."""
+    """The canonical names a TransformerLens ``names_filter`` picks among ``known``, in
+    ``known``'s order: None picks all; a function, the names it accepts (at least one); a name
+    or a list, each name in any spelling :func:`canonical` takes, or a glob pattern
+    (``blocks.*.hook_resid_post``) matching at least one name. The one resolver of what a user
+    types for many names: calls, hooks, compiled names, stores, served captures."""
     if names_filter is None:
         return list(known)
     if callable(names_filter):
         chosen = [name for name in known if names_filter(name)]
         if not chosen:
-            raise ValueError("names_filter accepted none of this model's hook names")
+            raise ValueError(f"{label} accepted none of this model's hook names")
         return chosen
-    wanted = [names_filter] if isinstance(names_filter, str) else list(names_filter)
-    picked = {canonical(name, known, explain=explain) for name in wanted}
+    picked: set[str] = set()
+    for name in [names_filter] if isinstance(names_filter, str) else names_filter:
+        if not is_pattern(name):
+            picked.add(canonical(name, known, explain=explain, listing=listing))
+            continue
+        matched = fnmatch.filter(known, name)
+        if not matched:
+            raise UnknownHookName(name, known, listing=listing)
+        picked.update(matched)
     return [name for name in known if name in picked]

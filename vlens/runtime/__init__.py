@@ -1,10 +1,12 @@
 """What runs inside vLLM's worker: the leaf package of vlens.
 
-Sites on modules, per-request narrowing, hook calls, the graph tier's traced hooks and what
-crosses to and from the user's process, with the vocabulary they need: where a value lives
-(:mod:`~vlens.runtime.locations`), how it is read and written back (:mod:`~vlens.runtime.readers`)
-and steering as data (:mod:`~vlens.runtime.steering`). A vLLM worker process imports this package
-and nothing else of vlens (``tests/engine/test_tensor_parallel.py`` checks it), so nothing here imports
-the user's side. Under tensor parallelism every worker process holds its own
-:class:`~vlens.runtime.worker.WorkerRuntime`.
+A vLLM worker process imports this package and nothing else of vlens but the SAE numerics an SAE
+it unpickles needs (``tests/engine/test_tensor_parallel.py`` checks it in spawned workers;
+``tests/unit/test_layers.py`` keeps every import pointing down). Its rooms: the vocabulary it
+shares with the user's side (:mod:`~vlens.runtime.vocabulary`), what crosses between the processes
+(:mod:`~vlens.runtime.transfer`), engine steps and their rows (:mod:`~vlens.runtime.steps`), sites on
+vLLM's modules (:mod:`~vlens.runtime.sites`), hook functions run at them
+(:mod:`~vlens.runtime.hooks`), attention computed explicitly (:mod:`~vlens.runtime.attention`) and
+a compiled engine's graph (:mod:`~vlens.runtime.compiled`). The hub is
+:class:`~vlens.runtime.worker.WorkerRuntime`, one per worker.
 """

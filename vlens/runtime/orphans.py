@@ -5,7 +5,7 @@ process is killed from outside (a ``timeout``, a SIGKILL, a crashed notebook ker
 them, and each goes on polling at a good part of a core until someone kills it. vlens watches the
 parent from a thread of each worker process: once the parent is gone (the worker has been handed
 to another process), the files the worker wrote for a reader that will never come are removed and
-the worker exits. Its shared host blocks (:mod:`vlens.runtime.host_blocks`) are memory files with
+the worker exits. Its shared host blocks (:mod:`vlens.runtime.transfer.host_blocks`) are memory files with
 no name, freed with the process.
 """
 
@@ -15,9 +15,8 @@ import os
 import threading
 import time
 
-from vlens.runtime import shared_tensors
+from vlens.runtime.transfer import shared_tensors
 
-#: How often a worker looks for its parent, in seconds.
 INTERVAL = 1.0
 
 

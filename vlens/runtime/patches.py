@@ -18,7 +18,7 @@ routing on that buffer before the router's GEMM has filled it: the experts are t
 uninitialized memory, while the router logits read by a hook (after the GEMM) look right. The fix
 makes each runner call the registered custom op, as vLLM does elsewhere: the MoE block runs
 eagerly inside one opaque op, and the hooks on modules inside it (the router, the shared experts)
-run there as plain forward hooks. What was measured: docs/NOTES.md, "DeepSeek and the graph tier".
+run there as plain forward hooks. What was measured: docs/NOTES.md, "DeepSeek and the compiled engine".
 """
 
 from __future__ import annotations

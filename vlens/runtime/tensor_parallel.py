@@ -2,10 +2,10 @@
 
 Under tensor parallelism each rank holds a slice of the column-parallel projections' outputs
 (``qkv_proj``, ``gate_up_proj``), of per-head attention values and of the MLP's hidden
-activations. A mapping marks such a value with :class:`~vlens.runtime.locations.Shards`; the runtime
+activations. A mapping marks such a value with :class:`~vlens.runtime.vocabulary.locations.Shards`; the runtime
 gathers it so that every rank's readers and hooks see the whole value, exactly as with one rank,
 and writes an edit back as each rank's own slice. A value each rank holds a partial sum of
-(:class:`~vlens.runtime.locations.PartialSums`) is summed over the ranks, and an edit's difference goes to
+(:class:`~vlens.runtime.vocabulary.locations.PartialSums`) is summed over the ranks, and an edit's difference goes to
 rank 0's part. Every rank runs the same plans on the same layout, so the collectives line up.
 """
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from vlens.runtime.locations import PartialSums, Shards, Split
+from vlens.runtime.vocabulary.locations import PartialSums, Shards, Split
 
 
 @dataclass(frozen=True)

@@ -1,47 +1,44 @@
-"""The worker side of vlens: one :class:`WorkerRuntime` per vLLM worker.
+"""The worker side of vlens: one :class:`WorkerRuntime` per vLLM worker, the hub of the leaf.
 
 The user's process hands it, before a call, what each request (by tag) wants: names to keep and
-hook functions to run (a :class:`~vlens.runtime.messages.RequestPlan`). It installs a torch hook on
-every site those names need and no other; during the call each site narrows the step to each
-followed request's rows, runs the hook functions (which may edit) — once on a call's batch where
-its requests run together (:mod:`vlens.runtime.batches`), else per request — and keeps the values
-asked for; after the call the user's process collects them. Sites whose names no request needs any
-more are removed. A failure inside a request's hooks is recorded for that request (for every
-request of a batch) and stops its hooks; the engine runs on, and the user's process raises it
-after the call.
+hook functions to run (a :class:`~vlens.runtime.transfer.messages.RequestPlan`). It installs a
+torch hook on every site those names need and no other, and follows each step's rows
+(:mod:`vlens.runtime.steps.layout`); during the call each site does what its requests ask
+(:mod:`vlens.runtime.hooks.firing`); after the call the user's process collects what was kept
+(:func:`handed_back`). Sites whose names no request needs any more are removed.
 
 Hooks on attention scores, patterns and per-head results go to :class:`AttentionSites`
-(:mod:`vlens.runtime.attention`), which computes those layers' attention for those requests.
+(:mod:`vlens.runtime.attention.explicit`), which computes those layers' attention for those
+requests; a compiled engine's traced names go to its graph (:mod:`vlens.runtime.compiled.graph`).
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import signal
 import threading
-import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
-from vlens.runtime import hook_sites, host_blocks, orphans, source
-from vlens.runtime.attention import AttentionSites, unsupported
-from vlens.runtime.batches import (
-    Member,
-    StepBatch,
-    batched_sites,
-    call_of,
-    in_batches,
-    shape_key,
+from vlens.runtime import orphans
+from vlens.runtime.attention.explicit import AttentionSites, unsupported
+from vlens.runtime.compiled import hook_sites
+from vlens.runtime.compiled.graph import GraphSites
+from vlens.runtime.compiled.inline import InlineRequests
+from vlens.runtime.hooks.firing import EagerSites
+from vlens.runtime.patches import apply_cpu_patches
+from vlens.runtime.sites import source
+from vlens.runtime.sites.probe import ModuleProbe
+from vlens.runtime.sites.source import Operation
+from vlens.runtime.sites.splices import Splice, splices_of
+from vlens.runtime.sites.torch_hooks import (
+    find_module,
+    install_site,
 )
-from vlens.runtime.graph import GraphSites
-from vlens.runtime.hooks import refuse_part_of_a_prefill, run_hooks, run_hooks_together
-from vlens.runtime.host_stream import Slot
-from vlens.runtime.inline import InlineRequests
-from vlens.runtime.layout import (
+from vlens.runtime.steps.layout import (
     Followed,
     RequestRows,
     StepRows,
@@ -49,24 +46,18 @@ from vlens.runtime.layout import (
     mark_sampling,
     tag_of,
 )
-from vlens.runtime.locations import Site
-from vlens.runtime.messages import (
+from vlens.runtime.tensor_parallel import TensorParallel
+from vlens.runtime.transfer import host_blocks
+from vlens.runtime.transfer.host_stream import Slot
+from vlens.runtime.transfer.messages import (
     Chunk,
     Handback,
-    HookError,
     ModuleRecord,
-    NamePlan,
     RequestCapture,
     RequestPlan,
 )
-from vlens.runtime.patches import apply_cpu_patches
-from vlens.runtime.probe import ModuleProbe
-from vlens.runtime.readers import Reader
-from vlens.runtime.sites import NarrowedCall, buffers_of, find_module, install_site, read_rows
-from vlens.runtime.source import Operation
-from vlens.runtime.splices import Splice, splices_of
-from vlens.runtime.step_store import Segment, StepStore, add_chunk, copy_rows, kept_rows
-from vlens.runtime.tensor_parallel import TensorParallel
+from vlens.runtime.vocabulary.locations import Site
+from vlens.runtime.vocabulary.readers import Reader
 
 if TYPE_CHECKING:  # a worker loads vlens.sae only when it unpickles an SAE to splice in
     from vlens.sae.autoencoder import SAE
@@ -77,26 +68,14 @@ class WorkerRuntime:
 
     def __init__(self, runner: Any, graph: GraphSites | None = None) -> None:
         self.runner = runner
-        self.graph = graph  # the compiled engine's traced names (:mod:`vlens.runtime.graph`)
+        self.graph = graph  # the compiled engine's traced names (:mod:`vlens.runtime.compiled.graph`)
         self.model: nn.Module = runner.get_model()
         self.wanted: dict[str, RequestPlan] = {}
         self.captures: dict[str, RequestCapture] = {}
-        self.store = StepStore()  # whole steps' kept rows of names read without hooks
-        #: this step's kept rows by the tags that keep them (:func:`kept_rows`), for every name
-        self.step_rows: dict[tuple[str, ...], tuple[slice | Tensor, list[Segment]]] = {}
         self.contexts: dict[str, dict[str, Any]] = {}
-        #: (call, site) where the call's requests may run their hook functions as one batch
-        self.batched: set[tuple[str, Site]] = set()
-        #: per site: what decides its step's batches (:meth:`_refresh_site_keys`)
-        self.site_keys: dict[Site, tuple[frozenset[str], frozenset[str]]] = {}
-        #: sites where some request runs a hook function
-        self.hooked_sites: set[Site] = set()
-        #: SAEs spliced in, by the site of the name each replaces (:mod:`vlens.runtime.splices`)
+        #: SAEs spliced in, by the site of the name each replaces
+        #: (:mod:`vlens.runtime.sites.splices`)
         self.splices: dict[Site, Splice] = {}
-        #: per hooked site: each request's kind of names there (equal kinds, equal names)
-        self.name_kinds: dict[Site, dict[str, int]] = {}
-        #: this step's batches, by site key (:meth:`_batches_at`)
-        self.step_batches: dict[tuple[frozenset[str], frozenset[str]], list[StepBatch]] = {}
         self.handles: dict[Site, Any] = {}
         self.followed: dict[str, Followed] = {}
         #: tag -> the end of the request's furthest rows so far (:func:`mark_sampling`)
@@ -111,9 +90,12 @@ class WorkerRuntime:
         )
         parallel = TensorParallel.of_this_worker()
         self.parallel = parallel if parallel.size > 1 else None
-        self.hands_back = parallel.rank == 0  # one rank hands results back
+        #: what each site does as it fires (:mod:`vlens.runtime.hooks.firing`)
+        self.sites = EagerSites(self.model, self.wanted, self.captures, self.contexts,
+                                self.splices, self._rows_for, self.parallel,
+                                hands_back=parallel.rank == 0)
         #: a compiled engine's sites where hook functions run inside the graph, fired by it
-        #: (:mod:`vlens.runtime.hook_sites`) rather than by torch hooks installed per call
+        #: (:mod:`vlens.runtime.compiled.hook_sites`) rather than by torch hooks installed per call
         self.graph_hook_sites = graph.hook_sites if graph is not None else {}
         self._fired_in_graph: dict[Site, Callable[[tuple, dict, Any], None]] = {}
         if graph is not None:
@@ -125,7 +107,7 @@ class WorkerRuntime:
 
     def follow_inline(self, scheduler_output: Any) -> None:
         """Before a step: forget the served requests that carried their plans, finished, and
-        hand nothing back; follow the new ones (:mod:`vlens.runtime.inline`)."""
+        hand nothing back; follow the new ones (:mod:`vlens.runtime.compiled.inline`)."""
         # one that captures is finished by the server's call, which hands its rows back (and
         # may have come first)
         finished = [tag for tag in self.inline.finished(scheduler_output)
@@ -138,7 +120,7 @@ class WorkerRuntime:
 
     def _wrap_model_forward(self) -> None:
         """Read the step's row layout right before each real forward (not warm-up dummies), from
-        the V1 or the V2 model runner (see :mod:`vlens.runtime.layout`)."""
+        the V1 or the V2 model runner (see :mod:`vlens.runtime.steps.layout`)."""
         follow_steps(self.runner, self)
 
     # ---- called from the user's process ------------------------------------------------------
@@ -165,11 +147,10 @@ class WorkerRuntime:
                 self.captures[tag].error = refused  # raised after the call; its hooks never run
             else:
                 self.attention.prepare(tag, plan.index, plan.call_size, plan.attention)
-        self.batched |= batched_sites(requests)
         for site in {site for plan in self.wanted.values() for site in plan.sites}:
             if site not in self.handles and site not in self.graph_hook_sites:
-                self.handles[site] = install_site(self.model, site, self._site_fired(site))
-        self._refresh_site_keys()
+                self.handles[site] = install_site(self.model, site, self.sites.fired(site))
+        self.sites.follow(requests)
         self._activate_graph_hook_sites()
 
     def finish(self, tags: list[str], device: str = "cpu") -> Handback:
@@ -182,7 +163,7 @@ class WorkerRuntime:
         try:
             for tag, formed in self.attention.finish(tags, device).items():
                 captures[tag].formed.update(formed)
-            padded = self.store.take(tags, kept_names, device)
+            padded = self.sites.kept_steps.take(tags, kept_names, device)
             if self.graph is not None:
                 traced = self.graph.finish(tags, device)
                 assert not traced.keys() & padded.keys(), "a traced name was also read eagerly"
@@ -191,19 +172,16 @@ class WorkerRuntime:
         finally:
             for tag in tags:
                 self.wanted.pop(tag, None)
-            calls = {call_of(tag) for tag in self.wanted}
-            self.batched = {key for key in self.batched if key[0] in calls}
+            self.sites.forget(tags)
             still_needed = {site for plan in self.wanted.values() for site in plan.sites}
             still_needed |= self.splices.keys()
             for site in list(self.handles):
                 if site not in still_needed:
                     self.handles.pop(site).remove()
-            self._refresh_site_keys()
             self._activate_graph_hook_sites()
             if not self.wanted:
                 self.followed.clear()
                 self.furthest.clear()
-                self.store.clear()
             else:  # requests overlap (a server): forget only the finished ones
                 finished = set(tags)
                 for req_id, known in list(self.followed.items()):
@@ -211,7 +189,6 @@ class WorkerRuntime:
                         del self.followed[req_id]
                 for tag in tags:
                     self.furthest.pop(tag, None)
-                self.store.forget(tags)
 
     def _activate_graph_hook_sites(self) -> None:
         """Let the graph's hook sites that the requests being served need call in; the others
@@ -241,11 +218,11 @@ class WorkerRuntime:
             self.attention.fired_in_graph(site.path, args, kwargs, output)
             return
         if site not in self._fired_in_graph:
-            self._fired_in_graph[site] = self._site_fired(site)
+            self._fired_in_graph[site] = self.sites.fired(site)
         self._fired_in_graph[site](args, kwargs, output)
 
     def splice(self, key: str, site: Site, read: Reader, sae: SAE | None, use_error: bool) -> None:
-        """Splice ``sae`` in at ``site`` as ``key`` (:mod:`vlens.runtime.splices`), replacing
+        """Splice ``sae`` in at ``site`` as ``key`` (:mod:`vlens.runtime.sites.splices`), replacing
         any SAE there; None takes the SAE at ``site`` out."""
         splices = splices_of(self.model)
         old = self.splices.pop(site, None)
@@ -258,7 +235,7 @@ class WorkerRuntime:
                 sae = copy.deepcopy(sae).to(device)
             splices[key] = self.splices[site] = Splice(sae, read, use_error)
             if site not in self.handles and site not in self.graph_hook_sites:
-                self.handles[site] = install_site(self.model, site, self._site_fired(site))
+                self.handles[site] = install_site(self.model, site, self.sites.fired(site))
         elif site in self.handles and not any(site in p.sites for p in self.wanted.values()):
             self.handles.pop(site).remove()
         self._activate_graph_hook_sites()
@@ -283,7 +260,7 @@ class WorkerRuntime:
             return str(error)
 
     def start_probe(self) -> None:
-        """Watch which modules run during the next call (see :mod:`vlens.runtime.probe`)."""
+        """Watch which modules run during the next call (see :mod:`vlens.runtime.sites.probe`)."""
         self.probe = ModuleProbe(self.model)
         self.probe.start(lambda: self.layout)
 
@@ -296,7 +273,7 @@ class WorkerRuntime:
         """After an interrupt inside a step: drop the step's layout and any half-run model
         output vLLM's runner kept for sampling (it would refuse the next step)."""
         self.layout = None
-        self.step_rows.clear()
+        self.sites.new_step()
         if getattr(self.runner, "execute_model_state", None) is not None:
             self.runner.execute_model_state = None
 
@@ -336,8 +313,7 @@ class WorkerRuntime:
     # ---- around and inside the forward -------------------------------------------------------
 
     def step_started(self) -> None:
-        self.step_rows.clear()
-        self.step_batches.clear()
+        self.sites.new_step()
         mark_sampling(self.layout or (), self.furthest)
         if self.graph is not None:
             self.graph.before_step(self.layout)
@@ -354,195 +330,6 @@ class WorkerRuntime:
         if self.layout is not None:  # vlens's own logits reader, inside the forward
             return []
         return [row for rows in self.last_step if (row := rows.sampled_row()) is not None]
-
-    def _site_fired(self, site: Site):
-        sampled = site.event == "sampled"
-
-        def on_call(args: tuple, kwargs: dict, output: Any) -> None:
-            if sampled and output is None:  # logits live on another rank
-                return
-            splice = self.splices.get(site)
-            if splice is not None:
-                splice.apply(NarrowedCall(self.model, None, args, kwargs, output, self.parallel))
-            batches = self._batches_at(site)
-            if not batches:
-                return
-            if not sampled and site not in self.hooked_sites:
-                whole = NarrowedCall(self.model, None, args, kwargs, output, self.parallel)
-                self._read_whole_step(site, batches, whole)
-                return
-            buffers = buffers_of(args, kwargs, output)  # to tell a reader's views from new values
-            whole = NarrowedCall(self.model, None, args, kwargs, output, self.parallel, buffers)
-            for group in self._alike(site, batches):
-                if len(group) == 1:
-                    self._serve(site, group[0], whole, sampled)
-                else:
-                    self._serve_together(site, group, whole, sampled)
-
-        return on_call
-
-    def _batches_at(self, site: Site) -> list[StepBatch]:
-        """The requests served at a site this step, as they run its hook functions: a call's
-        requests together where they may (:mod:`vlens.runtime.batches`), every other one alone.
-        Worked out once per step for all the sites with the same requests (every layer's
-        site, usually), until a request fails."""
-        key = self.site_keys.get(site)
-        if key is None or site.event == "sampled":
-            return self._batches_of(site, self._rows_for(site))
-        batches = self.step_batches.get(key)
-        if batches is None or any(
-            member.capture.error is not None for batch in batches for member in batch.members
-        ):
-            batches = self.step_batches[key] = self._batches_of(site, self._rows_for(site))
-        return batches
-
-    def _batches_of(self, site: Site, step: list[RequestRows]) -> list[StepBatch]:
-        served = []
-        for rows in step:
-            plan = self.wanted.get(rows.tag)
-            capture = self.captures.get(rows.tag)
-            if plan is not None and plan.sites.get(site) and capture is not None:
-                if capture.error is None:
-                    served.append(Member(rows, plan, capture))
-        if not self.batched:
-            return [StepBatch.of([member]) for member in served]
-
-        def key(member: Member) -> tuple[str, int, bool] | None:
-            rows = member.rows
-            return shape_key(rows) if (call_of(rows.tag), site) in self.batched else None
-
-        groups = in_batches(served, key, lambda m: m.plan.call_size, lambda m: m.plan.index)
-        return [StepBatch.of(group) for group in groups]
-
-    def _refresh_site_keys(self) -> None:
-        """For each site some request needs: which requests it serves and which calls batch
-        there (what decides its step's batches), and whether a hook function runs there."""
-        tags: dict[Site, set[str]] = {}
-        self.hooked_sites = set()
-        for tag, plan in self.wanted.items():
-            for site, names in plan.sites.items():
-                if names:
-                    tags.setdefault(site, set()).add(tag)
-                if any(name.hooks for name in names):
-                    self.hooked_sites.add(site)
-        batched: dict[Site, set[str]] = {}
-        for call, site in self.batched:
-            batched.setdefault(site, set()).add(call)
-        self.site_keys = {
-            site: (frozenset(served), frozenset(batched.get(site, ())))
-            for site, served in tags.items()
-        }
-        self.name_kinds = {site: self._kinds_at(site) for site in self.hooked_sites}
-        self.step_batches.clear()
-
-    def _kinds_at(self, site: Site) -> dict[str, int]:
-        """Each request's names at ``site`` as a number, equal where the names (hook functions
-        included) are: requests of one kind may be read and written together."""
-        kinds: dict[tuple[NamePlan, ...], int] = {}
-        found = {}
-        for tag, plan in self.wanted.items():
-            names = plan.sites.get(site)
-            if names:
-                found[tag] = kinds.setdefault(names, len(kinds))
-        return found
-
-    def _alike(self, site: Site, batches: list[StepBatch]) -> list[list[StepBatch]]:
-        """``batches`` grouped by their requests' kind of names at ``site``, each group in the
-        order of the step's rows (one span, where they are consecutive)."""
-        kinds = self.name_kinds.get(site, {})
-        groups: dict[int, list[StepBatch]] = {}
-        for batch in batches:
-            groups.setdefault(kinds.get(batch.rows[0].tag, -1 - len(groups)), []).append(batch)
-        return [sorted(group, key=lambda batch: batch.rows[0].start) for group in groups.values()]
-
-    def _serve(self, site: Site, batch: StepBatch, whole: NarrowedCall, sampled: bool) -> None:
-        """Run the names of a site, in order, for the requests of ``batch`` (one, or a call's
-        batch, all with the same names): hook functions on their value (batched), then their
-        kept rows. A failure is recorded for every request of the batch and stops their hooks
-        here. ``sampled``: the site is the sampler's (one row per sampled token, no prefill)."""
-        for name in batch.members[0].plan.sites[site]:
-            try:
-                if name.hooks:
-                    if name.shared and not sampled:
-                        refuse_part_of_a_prefill(name.name, name.hooks, batch)
-                    run_hooks(name, batch, whole, self.contexts)
-                if name.keep:
-                    self._keep(name, batch, whole)
-            except Exception as error:
-                self._record(batch, name.name, error)
-                break
-
-    def _serve_together(
-        self, site: Site, batches: list[StepBatch], whole: NarrowedCall, sampled: bool
-    ) -> None:
-        """:meth:`_serve` for batches whose requests carry the same names at ``site`` (the
-        prompts of a call that do not run as one batch in this step, each alone): each name's
-        value is read, copied and written back once for all of them
-        (:func:`~vlens.runtime.hooks.run_hooks_together`); the hook functions still run per
-        batch, on views of their rows. A batch that fails stops there; the others go on."""
-        live = list(batches)
-        for name in live[0].members[0].plan.sites[site]:
-            if name.hooks:
-                refuse = None if sampled or not name.shared else refuse_part_of_a_prefill
-                try:
-                    failures = run_hooks_together(name, live, whole, self.contexts, refuse)
-                except Exception as error:
-                    failures = {id(batch): error for batch in live}
-                for batch in live:
-                    if id(batch) in failures:
-                        self._record(batch, name.name, failures[id(batch)])
-                live = [batch for batch in live if id(batch) not in failures]
-            if name.keep:
-                for batch in list(live):
-                    try:
-                        self._keep(name, batch, whole)
-                    except Exception as error:
-                        self._record(batch, name.name, error)
-                        live.remove(batch)
-            if not live:
-                return
-
-    def _keep(self, name: NamePlan, batch: StepBatch, whole: NarrowedCall) -> None:
-        """Capture ``name``'s value (as the hooks left it) for each request of ``batch``."""
-        for own, member in zip(batch.rows, batch.members):
-            # Every rank reads (a split value is gathered, a collective); one hands back, so
-            # that results come back once.
-            value = read_rows(dataclasses.replace(whole, rows=own), name.read)
-            if self.hands_back and value is not None:
-                add_chunk(member.capture.chunks[name.name], Chunk(own.first_position, value))
-
-    @staticmethod
-    def _record(batch: StepBatch, name: str, error: BaseException) -> None:
-        """A failure at ``name``, for every request of ``batch``."""
-        for member in batch.members:
-            if isinstance(error, HookError):
-                member.capture.error, member.capture.cause = str(error), error.__cause__
-            else:
-                member.capture.error = f"while reading {name}:\n" + "".join(
-                    traceback.format_exception(error)
-                )
-
-    def _read_whole_step(self, site: Site, batches: list[StepBatch], call: NarrowedCall) -> None:
-        """No hook runs here this step: read each name once over the whole step and copy out
-        the rows of the requests that keep it (see :mod:`vlens.runtime.step_store`)."""
-        by_name: dict[str, tuple[NamePlan, list[tuple[RequestRows, RequestCapture]]]] = {}
-        for batch in batches:
-            for rows, plan, capture in batch.members:
-                for name in plan.sites[site]:
-                    by_name.setdefault(name.name, (name, []))[1].append((rows, capture))
-        for name, (plan, keepers) in by_name.items():
-            try:
-                value = plan.read(call)  # every rank reads: a split value is gathered
-                if self.hands_back:
-                    requests = [rows for rows, _ in keepers]
-                    tags = tuple(rows.tag for rows in requests)
-                    if tags not in self.step_rows:
-                        self.step_rows[tags] = kept_rows(requests, value.device)
-                    selection, segments = self.step_rows[tags]
-                    self.store.add(name, segments, copy_rows(value, selection))
-            except Exception:
-                for _, capture in keepers:
-                    capture.error = f"while reading {name}:\n{traceback.format_exc()}"
 
 
 def handed_back(
@@ -579,7 +366,7 @@ def handed_back(
 
 
 #: Where a compiled engine's worker keeps its :class:`GraphSites` from load time on
-#: (:mod:`vlens.runtime.graph_worker`).
+#: (:mod:`vlens.runtime.compiled.workers`).
 GRAPH_ATTRIBUTE = "_vlens_graph"
 
 
@@ -610,10 +397,10 @@ class WorkerExtension:
         """Run ``WorkerRuntime.<method>`` with the arguments vlens cloudpickled in the user's
         process (plans, and user hook functions, which are often closures); the result goes back
         pickled, its large tensors through shared memory in files named after ``call`` where
-        the user's process runs on this ``machine`` (:mod:`vlens.runtime.shared_tensors`)."""
+        the user's process runs on this ``machine`` (:mod:`vlens.runtime.transfer.shared_tensors`)."""
         import cloudpickle
 
-        from vlens.runtime import shared_tensors
+        from vlens.runtime.transfer import shared_tensors
 
         shared_tensors.collect_handed_back()
         result = call_runtime(self, method, *cloudpickle.loads(payload))

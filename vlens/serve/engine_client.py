@@ -5,9 +5,9 @@ vLLM's OpenAI handlers turn a request into sampling parameters and call the engi
 and admit the plan here, under a ticket that travels to ``generate`` in ``vllm_xargs`` (a short
 string: the object itself, vectors of thousands of numbers, would be written to JSON and read back
 for every request). ``generate`` takes the plan by its ticket, tags the request, starts every worker
-on it (inside the request where the graph does all it asks, :mod:`vlens.runtime.inline`; else
+on it (inside the request where the graph does all it asks, :mod:`vlens.runtime.compiled.inline`; else
 with the worker call ``HookedVLLM`` makes), passes it on to vLLM's own client, and when it
-finishes fetches what was captured (one call) and keeps it in the activation store. Requests
+finishes fetches what was captured (one call) and holds it until the client fetches it (:mod:`vlens.serve.captures`). Requests
 without a ticket pass straight through.
 """
 
@@ -25,12 +25,12 @@ from typing import Any
 from torch import Tensor
 from vllm.sampling_params import RequestOutputKind
 
-from vlens.engine.link import WorkerCall
+from vlens.engine.engine import WorkerCall
 from vlens.engine.prefix_cache import CacheUse, cache_use, skips_reading
-from vlens.runtime.inline import INLINE_KEY
-from vlens.runtime.messages import TAG_KEY, Handback
+from vlens.runtime.compiled.inline import INLINE_KEY
+from vlens.runtime.transfer.messages import TAG_KEY, Handback
+from vlens.serve.captures import HeldCaptures
 from vlens.serve.model import Planned, ServedModel
-from vlens.serve.store import ActivationStore
 
 #: The ``vllm_xargs`` key that carries a request's ticket (:meth:`VlensEngineClient.admit`).
 FIELDS_KEY = "vlens_fields"
@@ -46,7 +46,7 @@ MAX_TICKETS = 65536
 
 @dataclass(frozen=True)
 class Captured:
-    """What a finished request captured: its id in the store and each name's shape."""
+    """What a finished request captured: its id among the held captures and each name's shape."""
 
     activations: str
     names: dict[str, list[int]]
@@ -61,13 +61,13 @@ class VlensEngineClient:
         engine: Any,
         served: ServedModel,
         vectors: Mapping[str, Tensor],
-        store: ActivationStore,
+        captures: HeldCaptures,
         steered_models: Mapping[str, dict] | None = None,
     ) -> None:
         self._engine = engine
         self.served = served
         self.vectors = vectors
-        self.store = store
+        self.captures = captures
         #: served model name -> the ``vlens`` object every request to it gets (``--steered-model``)
         self.steered_models = dict(steered_models or {})
         #: engine request id -> what it captured, until its response is written
@@ -167,7 +167,7 @@ class VlensEngineClient:
             values = await asyncio.to_thread(
                 self.served.activations, planned, tag, handback, prompt_tokens, sampled
             )
-            key = await asyncio.to_thread(self.store.put, values)
+            key = await asyncio.to_thread(self.captures.put, values)
             shapes = {name: list(value.shape) for name, value in values.items()}
             self.captured[capture_key] = Captured(key, shapes)
             while len(self.captured) > MAX_UNCLAIMED:  # responses that were never written
@@ -240,11 +240,11 @@ class VlensEngineClient:
         return Handback.of_ranks(await self._on_workers("finish", [tag], "cpu"))
 
     async def status(self) -> dict[str, Any]:
-        """What the server holds now: the activation store, captures whose response was never
+        """What the server holds now: its held captures, captures whose response was never
         written, admitted plans, and what each worker follows (all zero on an idle server, but
-        the store's unfetched captures); and how many times it called the workers, by method."""
+        the unfetched ones); and how many times it called the workers, by method."""
         return {
-            "store": self.store.status(),
+            "captures": self.captures.status(),
             "unclaimed_captures": len(self.captured),
             "tickets": len(self.tickets),
             "worker_calls": dict(self.worker_calls),

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from vlens.runtime.steering import AnySteer, SAESteer, Steer
+from vlens.runtime.vocabulary.steering import AnySteer, SAESteer, Steer
 
 #: The keys of the ``vlens`` object and of one of its steering entries.
 REQUEST_KEYS = frozenset({"steering", "capture"})

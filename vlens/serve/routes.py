@@ -7,7 +7,7 @@ entry point of ``vllm.endpoint_plugins``, turned on by ``vlens serve`` only).
   carries to it; a response to a request that captured names gains
   ``"vlens": {"activations": ID, "names": {name: shape}}``.
 - ``GET /v1/activations/{id}``: those values as a safetensors file, deleted once fetched.
-- ``GET /v1/vlens/status``: what the server holds (the activation store's entries and bytes,
+- ``GET /v1/vlens/status``: what the server holds (the held captures' entries and bytes,
   admitted plans, and the requests each worker follows).
 
 Being routes of vLLM's app, they sit behind its middleware, ``--api-key`` included.
@@ -26,8 +26,8 @@ from fastapi.routing import APIRoute
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
-from vlens.runtime.inline import INLINE_KEY
-from vlens.runtime.messages import TAG_KEY
+from vlens.runtime.compiled.inline import INLINE_KEY
+from vlens.runtime.transfer.messages import TAG_KEY
 from vlens.serve.body import VlensRoute, vlens_field
 from vlens.serve.engine_client import FIELDS_KEY, VlensEngineClient, sample_key
 from vlens.serve.fields import BadVlensField, read_fields
@@ -93,11 +93,11 @@ async def chat_completions(request: ChatCompletionRequest, raw_request: Request)
 
 async def activations(activation_id: str) -> Response:
     client = _client()
-    payload = client.store.take(activation_id)
+    payload = client.captures.take(activation_id)
     if payload is None:
         return _error(
             404, f"no activations with id {activation_id!r}: each is served once, and the "
-            "oldest are dropped when the store needs room (--activation-store-bytes)", "id"
+            "oldest are dropped when new ones need the room (--capture-bytes)", "id"
         )
     return Response(payload, media_type="application/octet-stream")
 

@@ -5,7 +5,7 @@ client around vLLM's (:mod:`vlens.serve.engine_client`) and its routes (:mod:`vl
 Every ``vllm serve`` option keeps its meaning, with vlens's defaults: the server binds 127.0.0.1
 unless ``--host`` says otherwise, each request uses the prefix cache as far as it is correct for
 it (:mod:`vlens.engine.prefix_cache`), and the engine runs eager unless names are declared for
-the graph tier with ``--compiled-capture`` / ``--compiled-steering``.
+the compiled engine with ``--compiled-capture`` / ``--compiled-steering``.
 """
 
 from __future__ import annotations
@@ -19,18 +19,18 @@ import torch
 from safetensors.torch import load_file
 from torch import Tensor
 
-from vlens.engine.link import FOREIGN_PLUGINS, plugins_except, prepare_engine
-from vlens.engine.support import model_impl_args
-from vlens.runtime.graph_worker import graph_names_for_workers
+from vlens.engine.arguments import model_impl_args, prepare_engine
+from vlens.engine.process_state import FOREIGN_PLUGINS, plugins_except
+from vlens.runtime.compiled.workers import graph_names_for_workers
+from vlens.serve.captures import HeldCaptures
 from vlens.serve.engine_client import VlensEngineClient
 from vlens.serve.fields import read_fields
 from vlens.serve.model import ServedModel
 from vlens.serve.routes import SERVING, VlensRoutes
-from vlens.serve.store import ActivationStore
 from vlens.serve.vllm_server import server_functions
 
-#: The activation store's bound unless ``--activation-store-bytes`` is given.
-DEFAULT_STORE_BYTES = 2**30
+#: The bound of the captures a server holds unless ``--capture-bytes`` is given.
+DEFAULT_CAPTURE_BYTES = 2**30
 
 
 def parser() -> argparse.ArgumentParser:
@@ -46,9 +46,10 @@ def parser() -> argparse.ArgumentParser:
     group.add_argument("--vectors", type=Path, metavar="FILE",
                        help="a .safetensors file of named vectors that requests may steer with "
                        "by name")
-    group.add_argument("--activation-store-bytes", type=int, default=DEFAULT_STORE_BYTES,
-                       metavar="N", help="captured activations kept until fetched, at most this "
-                       "many bytes; the least recently stored go first (default: 1 GiB)")
+    group.add_argument("--capture-bytes", "--activation-store-bytes", type=int,
+                       default=DEFAULT_CAPTURE_BYTES, dest="capture_bytes", metavar="N",
+                       help="captured activations held until fetched, at most this many bytes; "
+                       "the least recently held go first (default: 1 GiB)")
     group.add_argument("--steered-model", action="append", default=[], metavar="NAME=FILE",
                        help="serve the model also as NAME, steered as the `vlens` object in the "
                        "JSON FILE says for every request to NAME (for clients such as lm-eval, "
@@ -142,11 +143,11 @@ def main(argv: list[str]) -> int:
         saes = read_saes(args.sae)
         served = ServedModel(args.model, args.compiled_capture, args.compiled_steering, user_args,
                              saes, args.sae_slots, args.sae_top_k)
-        user_args = {**model_impl_args(served.mapping), **user_args}
-        engine = prepare_engine(user_args, compiled, served.mapping.cpu_engine_args)
+        user_args = {**model_impl_args(served.checkpoint.mapping), **user_args}
+        engine = prepare_engine(user_args, compiled, served.checkpoint.mapping.cpu_engine_args)
         for key, value in engine.items():  # as vLLM's serve options
             setattr(args, key, value)
-        store = ActivationStore(args.activation_store_bytes)
+        captures = HeldCaptures(args.capture_bytes)
         vectors = read_vectors(args.vectors)
         steered_models = read_steered_models(args.steered_model, vectors)
         for steered in steered_models:
@@ -161,13 +162,13 @@ def main(argv: list[str]) -> int:
         listen_address, sock = vllm.setup_server(args, reuse_port=False)
         try:
             async with vllm.build_async_engine_client(args) as engine:
-                SERVING.client = VlensEngineClient(engine, served, vectors, store, steered_models)
+                SERVING.client = VlensEngineClient(engine, served, vectors, captures, steered_models)
                 shutdown = await vllm.build_and_serve(SERVING.client, listen_address, sock, args)
             await shutdown
         finally:
             sock.close()
 
-    with graph_names_for_workers(served.graph_names) as graph_args, plugins_except(
+    with graph_names_for_workers(served.checkpoint.graph_names) as graph_args, plugins_except(
         FOREIGN_PLUGINS, endpoints=frozenset({VlensRoutes.name})
     ):
         if "worker_cls" in graph_args:

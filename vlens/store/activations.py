@@ -17,15 +17,11 @@ by running that shard's prompts again (see :mod:`vlens.store.manifest`).
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import fnmatch
 import functools
 import importlib.metadata
 import itertools
-import json
-import re
 import tempfile
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,8 +32,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from vlens.hooked.model import HookedVLLM
-from vlens.names.mapping import Spec
-from vlens.names.resolve import canonical
+from vlens.store.inputs import Prompt, stored_names
 from vlens.store.manifest import (
     FORMAT,
     MANIFEST,
@@ -53,90 +48,6 @@ from vlens.store.manifest import (
 )
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-#: A prompt: text (tokenized by the model's tokenizer) or token ids.
-Prompt = str | list[int]
-
-
-# ---- which names ---------------------------------------------------------------------------------
-
-
-def resolve_names(patterns: Sequence[str], specs: Mapping[str, Spec]) -> list[str]:
-    """The canonical names that hook names or fnmatch globs (``blocks.*.hook_resid_post``) pick,
-    in forward order. Only token-major names (``[pos, ...]``) can be stored as rows."""
-    if not patterns:
-        raise StoreError("give at least one hook name or pattern")
-    chosen: set[str] = set()
-    for pattern in patterns:
-        if any(char in pattern for char in "*?["):
-            matched = [name for name in specs if fnmatch.fnmatchcase(name, pattern)]
-            if not matched:
-                near = _near_templates(pattern, specs)
-                raise StoreError(f"no hook name matches {pattern!r}.{near}")
-            chosen.update(matched)
-        else:
-            chosen.add(canonical(pattern, specs))
-    names = [name for name in specs if name in chosen]
-    for name in names:
-        _require_token_major(name, specs[name].shape)
-    return names
-
-
-def _near_templates(pattern: str, names: Iterable[str]) -> str:
-    """Names near ``pattern``, with layer numbers as ``*``: one suggestion covers all layers."""
-    templates = sorted({re.sub(r"\.\d+\.", ".*.", name) for name in names})
-    near = difflib.get_close_matches(pattern, templates, n=5, cutoff=0.5)
-    hint = f" Did you mean: {', '.join(near)}?" if near else ""
-    return f"{hint} (`vlens names MODEL` lists all.)"
-
-
-def _require_token_major(name: str, shape: str) -> None:
-    axes = shape.split()
-    if axes[0] != "pos" or any(axis.endswith("pos") for axis in axes[1:]):
-        raise StoreError(
-            f"{name} is [batch {shape}], not one row per token ([batch pos ...]): only token-major "
-            f"names can be stored for now (attention scores and patterns cannot)."
-        )
-
-
-# ---- prompt files --------------------------------------------------------------------------------
-
-
-def read_prompts(path: Path) -> Iterator[Prompt]:
-    """The prompts of a file, lazily: in a ``.jsonl`` file one JSON object per line with a "text"
-    (string) or a "tokens" (token ids) field; in any other file one text per line. Blank lines
-    are skipped."""
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, 1):
-            if line.strip():
-                yield prompt_of_line(line, path, number)
-
-
-def prompt_of_line(line: str, path: Path, number: int) -> Prompt:
-    """The prompt on line ``number`` (not blank) of the prompt file at ``path``."""
-    if path.suffix == ".jsonl":
-        return _json_prompt(line, f"{path}:{number}")
-    return line.rstrip("\r\n")
-
-
-def count_prompts(path: Path) -> int:
-    """How many prompts :func:`read_prompts` yields, without parsing them."""
-    with path.open(encoding="utf-8") as lines:
-        return sum(1 for line in lines if line.strip())
-
-
-def _json_prompt(line: str, where: str) -> Prompt:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as error:
-        raise StoreError(f"{where}: not JSON ({error})") from error
-    if isinstance(record, dict) and isinstance(record.get("text"), str):
-        return record["text"]
-    tokens = record.get("tokens") if isinstance(record, dict) else None
-    if isinstance(tokens, list) and tokens and all(isinstance(t, int) for t in tokens):
-        return tokens
-    raise StoreError(f'{where}: expected an object with "text" (a string) or "tokens" (token ids)')
-
 
 # ---- the folder ----------------------------------------------------------------------------------
 
@@ -383,8 +294,8 @@ def write_activations(
 ) -> ActivationStore:
     """Store the activations of ``names`` (hook names or globs) for every prompt into ``out``,
     resuming after the prompts an earlier run stored there (see :func:`fill_store`)."""
-    names = resolve_names(names, model.hook_specs)
-    store = open_store(out, model.weights.folder, names, dtype, max_new_tokens, progress)
+    names = stored_names(names, model.checkpoint.hook_specs)
+    store = open_store(out, model.checkpoint.path, names, dtype, max_new_tokens, progress)
     return fill_store(
         model, store, prompts, batch_size=batch_size, shard_tokens=shard_tokens, total=total,
         progress=progress,

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vlens.store.activations import Prompt, Settings, prompt_of_line
+from vlens.store.activations import Settings
+from vlens.store.inputs import Prompt, prompt_of_line
 from vlens.store.manifest import (
     MANIFEST,
     StoreError,

@@ -29,7 +29,6 @@ from vlens.store.activations import (
     Settings,
     fill_store,
     require_writable_folder,
-    resolve_names,
 )
 from vlens.store.blocks import (
     Block,
@@ -41,6 +40,7 @@ from vlens.store.blocks import (
     open_index,
     stored_prompts,
 )
+from vlens.store.inputs import stored_names
 from vlens.store.manifest import StoreError
 
 #: The driver's environment that the workers get too: vLLM's and vlens's settings, and the
@@ -109,7 +109,7 @@ def write_activations_on_ray(
     if batch_size < 1 or shard_tokens < 1:
         raise StoreError("batch_size and shard_tokens must be positive")
     _require_worker_shape(workers)
-    names = resolve_names(names, checkpoint_specs(model))
+    names = stored_names(names, checkpoint_specs(model))
     store_settings = Settings(str(model.resolve()), tuple(names), dtype, max_new_tokens)
     settings = RunSettings(store_settings, block_prompts, batch_size, shard_tokens)
     require_writable_folder(out)

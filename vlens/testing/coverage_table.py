@@ -3,7 +3,7 @@ architectures (its "Architectures" section; ``README.md`` unless a path is given
 
 One row per architecture a mapping file serves (with a tiny model to prove it): how vLLM runs
 it, how many names it has (a block's names once, and those before and after the blocks), its parity status as ``parity/REPORT.md`` records it (the worst
-relative error per reference, or "not in the report"), and whether the graph tier and tensor
+relative error per reference, or "not in the report"), and whether the compiled engine and tensor
 parallelism are offered (the mapping's own ``compiled_graph`` and ``tensor_parallel`` flags, each
 set only where its tests pass). Written between ``<!-- coverage:start -->`` and
 ``<!-- coverage:end -->``.
@@ -14,15 +14,17 @@ from __future__ import annotations
 import re
 import sys
 from dataclasses import dataclass, field
+from importlib.util import find_spec
 from pathlib import Path
 
-import vlens.parity
 from vlens.mappings import all_mappings, vllm_implementation
 from vlens.mappings._tiny import architecture_of
 from vlens.testing.names_table import replace_section
 
 START, END = "<!-- coverage:start -->", "<!-- coverage:end -->"
-REPORT = Path(vlens.parity.__file__).parent / "REPORT.md"
+#: The parity report, found beside the parity package's modules (without importing it: the
+#: parity package builds its checkpoints with this one's tiny models).
+REPORT = Path(find_spec("vlens.parity").submodule_search_locations[0]) / "REPORT.md"
 
 _SECTION = re.compile(r"^### (\S+) \((\w+)\)$")
 _ROW = re.compile(r"^\| `[^`]+` \| [^|]+ \| \w+ \| (\w+) \| [^|]+ \| ([^|]+) \| [^|]+ \| (\w+) \|$")
@@ -64,7 +66,7 @@ def coverage_table(report: str) -> str:
     statuses = parity_statuses(report)
     lines = [
         "| architecture | tiny model | vLLM | names per layer and around | parity vs HuggingFace | vs TransformerLens "
-        "| graph tier | tensor parallel |",
+        "| compiled engine | tensor parallel |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for mapping in all_mappings():
