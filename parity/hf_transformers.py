@@ -16,16 +16,8 @@ import torch
 from torch import Tensor, nn
 
 from vlens.mappings import served
-from vlens.mappings._transformers import (
-    DETAILS,
-    Layout,
-    layout_of,
-    modeling_module,
-    norm_eps,
-    rotary_of,
-    rotate_part,
-    uses_rotary,
-)
+from vlens.mappings._rotary import modeling_module, rotary_of, rotate_part, uses_rotary
+from vlens.mappings._transformers import DETAILS, Layout, layout_of, norm_eps
 from vlens.names.mapping import attention_dimensions
 from vlens.parity import common
 from vlens.parity.hf_gpt2 import layer_norm_parts

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+from transformers import AutoConfig, PretrainedConfig
 
 from vlens.engine.arguments import check_loadable
 from vlens.engine.planning import Planner
@@ -44,7 +44,8 @@ SAMPLER_NAMES: dict[str, Spec] = {
 
 class Checkpoint:
     """One checkpoint's names (:attr:`hook_specs`, in forward order, and the rules of its
-    engine), weights, config, tokenizer and planner; ``compiled`` is None for an eager engine.
+    engine), weights, config and planner; ``compiled`` is None for an eager engine. (The
+    tokenizer is the model's: ``HookedVLLM`` sets it up as TransformerLens does.)
 
     :attr:`hook_specs` and :attr:`canonical_names` are the model's one list of names, shared by
     every part: raw locations join the specs when first used, SAEs spliced in add their hook
@@ -55,14 +56,12 @@ class Checkpoint:
         path: str | Path,
         config: PretrainedConfig,
         mapping: ArchitectureMapping,
-        tokenizer: PreTrainedTokenizerBase,
         compiled: CompiledNames | None = None,
         tensor_parallel_size: int = 1,
     ) -> None:
         self.path = Path(path)
         self.hf_config = config
         self.mapping = mapping
-        self.tokenizer = tokenizer
         self.compiled = compiled
         self.tensor_parallel_size = tensor_parallel_size
         self.explain = mapping.unavailable
@@ -105,7 +104,7 @@ class Checkpoint:
                                     compiled_sae_top_k, mapping.unavailable)
                 compiled = compiled.with_saes(saes, specs, config)
         ranks = int(engine_kwargs.get("tensor_parallel_size", 1))
-        return cls(path, config, mapping, AutoTokenizer.from_pretrained(path), compiled, ranks)
+        return cls(path, config, mapping, compiled, ranks)
 
     @property
     def graph_names(self) -> tuple:
