@@ -78,6 +78,9 @@ GPU_PRESET: dict[str, Any] = {
         "skip_tokenizer_init": True,
         "max_model_len": 1024,
         "max_num_seqs": 256,
+        # every prompt's prefill in one step, which a hook function shared by the call's prompts
+        # needs (it sees them as TransformerLens's batch); the same for every engine
+        "max_num_batched_tokens": 256 * 128,
         # fixed, so that every engine gets the same KV cache and vlens's captures have room
         "kv_cache_memory_bytes": 24 << 30,
         "gpu_memory_utilization": 0.5,
@@ -98,7 +101,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "sae_features": 4608,
         "hf_batch": 8,
         "profile_new_tokens": 8,
-        "engine": {"max_model_len": 512},
+        # every prompt's prefill in one step (see the GPU preset)
+        "engine": {"max_model_len": 512, "max_num_batched_tokens": 64 * 128},
     },
     # a random Qwen3-shaped model of ~0.3 B parameters, fp32, on the CPU (a smaller workload:
     # the model is twice SmolLM2's size)

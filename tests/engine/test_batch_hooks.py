@@ -1,9 +1,9 @@
 """TransformerLens's batch semantics for hook functions shared by a call's prompts.
 
 A hook function added with ``add_hook`` or given as ``fwd_hooks`` runs once per site and engine step
-on the call's batch, ``[batch, pos, ...]`` in the prompts' order, wherever all the call's prompts
-run together with rows alike (equal lengths); elsewhere per prompt, ``[1, pos, ...]``, and
-``prompt_hooks`` always per prompt. TransformerLens's notebook patching code (its
+on the call's batch, ``[batch, pos, ...]`` in the prompts' order, padded on the call's padding side
+whatever the prompts' lengths; ``prompt_hooks`` run per prompt. TransformerLens's notebook patching
+code (its
 Exploratory_Analysis_Demo: residual, head and pattern patching, indexing the clean cache's batch)
 and ``transformer_lens.patching`` run unchanged on a vlens engine and equal TransformerLens's
 ``TransformerBridge`` on the same checkpoint (≤ 1e-4 relative). Prompts are token tensors.
@@ -168,26 +168,167 @@ def test_transformer_lens_patching_runs_on_vlens(setup):
     assert ours.std() > 0.01, "the patches must change the metric for the test to mean anything"
 
 
-# ---- where the batch is not whole: per prompt ------------------------------------------------------
+# ---- prompts of unequal lengths: TransformerLens's padded batch -----------------------------------
+
+TEXTS = ["Short", "A somewhat longer prompt", "The longest prompt of the three, by far"]
 
 
-def test_prompts_of_different_lengths_run_per_prompt(hooked):
-    model = hooked("llama")
-    texts = ["Short", "A somewhat longer prompt", "The longest prompt of the three, by far"]
-    lengths = [len(tokens) for tokens in model.token_lists(texts)]
-    seen: list[tuple[str, tuple[int, ...], int | None, tuple[int, ...]]] = []
+@pytest.fixture(scope="module", params=["eager", "compiled"])
+def llama(request, hooked, graph_hooks_engine):
+    """The tiny Llama on the eager engine, and on a compiled one running hook functions at every
+    name inside its graph: the same contract on both."""
+    return hooked("llama") if request.param == "eager" else graph_hooks_engine("llama")
+
+
+def padding_mask(lengths: list[int], side: str) -> Tensor:
+    """``[batch, pos]``: True at each prompt's real positions, padded on ``side``."""
+    longest = max(lengths)
+    offsets = torch.arange(longest)[None]
+    sizes = torch.tensor(lengths)[:, None]
+    return offsets >= longest - sizes if side == "left" else offsets < sizes
+
+
+def assert_equal_at_real(ours: Tensor, theirs: Tensor, mask: Tensor) -> None:
+    """Logits equal TransformerLens's at every real position (TransformerLens also computes its
+    padding, from pad tokens; vLLM never computes it)."""
+    assert ours.shape == theirs.shape
+    assert_close_relative(ours[mask], theirs[mask])
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_a_shared_hook_sees_the_padded_batch_whatever_the_lengths(llama, side):
+    model = llama
+    lengths = [len(tokens) for tokens in model.token_lists(TEXTS)]
+    seen: list[tuple] = []
 
     def record(value: Tensor, hook) -> None:
-        seen.append((hook.name, tuple(value.shape[:3]), hook.request, hook.requests))
+        seen.append((hook.name, tuple(value.shape[:2]), hook.request, hook.requests,
+                     hook.lengths, hook.attention_mask.cpu()))
 
     hooks = [("blocks.1.hook_resid_post", record), ("blocks.1.attn.hook_pattern", record)]
-    model.run_with_hooks(texts, fwd_hooks=hooks)
-    heads = model.cfg.n_heads
-    expected = {
-        ("blocks.1.hook_resid_post", (1, n, model.cfg.d_model), i, (i,))
-        for i, n in enumerate(lengths)
-    } | {("blocks.1.attn.hook_pattern", (1, heads, n), i, (i,)) for i, n in enumerate(lengths)}
-    assert len(seen) == 2 * len(texts) and set(seen) == expected
+    model.run_with_hooks(TEXTS, fwd_hooks=hooks, padding_side=side)
+    longest, everyone = max(lengths), (0, 1, 2)
+    assert [entry[:5] for entry in seen] == [
+        ("blocks.1.attn.hook_pattern", (3, model.cfg.n_heads), None, everyone, tuple(lengths)),
+        ("blocks.1.hook_resid_post", (3, longest), None, everyone, tuple(lengths)),
+    ]
+    for entry in seen:
+        assert torch.equal(entry[5], padding_mask(lengths, side))
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_batch_indexed_edits_equal_transformer_lens(llama, hooked, bridge, arch, side):
+    """``x[0] += v`` edits prompt 0 alone, ``x[2, 1:4] += v`` three positions of prompt 2, and a
+    statistic over the batch's real rows: each equals TransformerLens's bridge, at every real
+    position, with the batch padded on either side (on GPT-2 on the eager engine)."""
+    model, reference = (llama if arch == "llama" else hooked(arch)), bridge(arch)
+    lengths = [len(tokens) for tokens in model.token_lists(TEXTS)]
+    mask = padding_mask(lengths, side)
+    vector = torch.randn(model.cfg.d_model, generator=torch.Generator().manual_seed(3)) * 4
+
+    def first_prompt(x: Tensor, hook) -> None:
+        x[0] += vector.to(x.device)
+
+    def three_positions(x: Tensor, hook) -> None:
+        x[2, 1:4] += vector.to(x.device)
+
+    def centred(x: Tensor, hook) -> Tensor:
+        real = mask.to(x.device)[..., None]
+        mean = (x * real).sum((0, 1)) / real.sum()
+        return x - 0.5 * mean * real
+
+    name = "blocks.1.hook_resid_pre"
+    plain = model(TEXTS, padding_side=side)
+    for edit in (first_prompt, three_positions, centred):
+        ours = model.run_with_hooks(TEXTS, fwd_hooks=[(name, edit)], padding_side=side)
+        with torch.no_grad():
+            theirs = reference.run_with_hooks(TEXTS, fwd_hooks=[(name, edit)], padding_side=side)
+        assert_equal_at_real(ours, theirs, mask)
+        changed = [not torch.equal(ours[i][mask[i]], plain[i][mask[i]]) for i in range(3)]
+        assert changed == {first_prompt: [True, False, False],
+                           three_positions: [False, False, True],
+                           centred: [True, True, True]}[edit]
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_a_cache_is_padded_as_the_call_asks(hooked, bridge, side):
+    """The cache, the logits and a hook's batch share one layout: a clean cache's values patched
+    into a hook's batch line up, as in TransformerLens's notebooks."""
+    model, reference = hooked("llama"), bridge("llama")
+    lengths = [len(tokens) for tokens in model.token_lists(TEXTS)]
+    mask = padding_mask(lengths, side)
+    name = "blocks.1.attn.hook_z"
+    logits, cache = model.run_with_cache(TEXTS, padding_side=side, names_filter=name)
+    with torch.no_grad():
+        _, theirs = reference.run_with_cache(TEXTS, padding_side=side, names_filter=name)
+    assert torch.equal(cache.attention_mask, mask)
+    assert_equal_at_real(cache[name], theirs[name], mask)
+    assert not cache[name][~mask].any() and not logits[~mask].any()
+    for index, length in enumerate(lengths):
+        assert cache.unpadded(name, index).shape[0] == length
+        assert torch.equal(cache.tokens[index][mask[index]],
+                           torch.tensor(model.token_lists(TEXTS)[index]))
+    seen: list[Tensor] = []
+    model.run_with_hooks(TEXTS, padding_side=side,
+                         fwd_hooks=[(name, lambda z, hook: seen.append(z.cpu().clone()))])
+    torch.testing.assert_close(seen[0], cache[name], rtol=0, atol=0)
+    pattern = "blocks.1.attn.hook_pattern"
+    _, patterns = model.run_with_cache(TEXTS, padding_side=side, names_filter=pattern)
+    with torch.no_grad():
+        _, their_patterns = reference.run_with_cache(TEXTS, padding_side=side, names_filter=pattern)
+    pair = mask[:, None, :, None] & mask[:, None, None, :]
+    pair = pair.expand_as(patterns[pattern])
+    assert_close_relative(patterns[pattern][pair], their_patterns[pattern][pair])
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_pattern_patching_of_unequal_prompts_equals_transformer_lens(llama, bridge, side):
+    """The notebook's head-pattern patching, on a batch of unequal prompts: the clean cache's
+    pattern, padded as the hook's batch is, patched into it."""
+    model, reference = llama, bridge("llama")
+    lengths = [len(tokens) for tokens in model.token_lists(TEXTS)]
+    mask = padding_mask(lengths, side)
+    corrupted = [text.replace("prompt", "text") for text in TEXTS]
+    assert [len(t) for t in model.token_lists(corrupted)] == lengths
+    name = utils.get_act_name("pattern", 1, "attn")
+    _, cache = model.run_with_cache(TEXTS, padding_side=side)
+    with torch.no_grad():
+        _, their_cache = reference.run_with_cache(TEXTS, padding_side=side)
+    ours = model.run_with_hooks(corrupted, padding_side=side, fwd_hooks=[
+        (name, partial(patch_head_pattern, head_index=1, clean_cache=cache))])
+    with torch.no_grad():
+        theirs = reference.run_with_hooks(corrupted, padding_side=side, fwd_hooks=[
+            (name, partial(patch_head_pattern, head_index=1, clean_cache=their_cache))])
+    assert_equal_at_real(ours, theirs, mask)
+    assert not torch.allclose(ours[mask], model(corrupted, padding_side=side)[mask])
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_patching_of_padded_token_batches_equals_transformer_lens(hooked, bridge, side):
+    """``transformer_lens.patching`` and ``vlens.patching`` on prompts of unequal lengths given
+    as a padded token tensor (as its functions take them: pad tokens run as tokens, on both
+    sides) equal TransformerLens's bridge."""
+    from vlens import patching as vlens_patching
+
+    model, reference = hooked("llama"), bridge("llama")
+    clean = model.to_tokens(TEXTS, padding_side=side)
+    corrupted = model.to_tokens([text.replace("prompt", "text") for text in TEXTS],
+                                padding_side=side)
+    assert torch.equal(clean, reference.to_tokens(TEXTS, padding_side=side))
+
+    def last_logit(logits: Tensor) -> Tensor:
+        return logits[:, -1, 7].mean()
+
+    _, cache = model.run_with_cache(clean)
+    with torch.no_grad():
+        _, their_cache = reference.run_with_cache(clean)
+        theirs = tl_patching.get_act_patch_resid_pre(reference, corrupted, their_cache, last_logit)
+    ours = tl_patching.get_act_patch_resid_pre(model, corrupted, cache, last_logit)
+    batched = vlens_patching.get_act_patch_resid_pre(model, corrupted, cache, last_logit)
+    assert_close_relative(ours, theirs)
+    assert_close_relative(batched, theirs)
+    assert theirs.std() > 1e-3, "the patches must move the metric for the test to mean anything"
 
 
 def test_prompt_hooks_stay_per_prompt(hooked):
@@ -204,15 +345,24 @@ def test_prompt_hooks_stay_per_prompt(hooked):
     assert sorted(seen, key=lambda s: s[1]) == [((1, LENGTH), i, (i,)) for i in range(BATCH)]
 
 
-def test_a_prompt_with_its_own_hook_keeps_the_call_per_prompt(hooked):
-    """A shared hook where one prompt also has its own at the same site runs per prompt."""
+def test_a_shared_hook_runs_on_the_batch_before_a_prompts_own(hooked):
+    """A prompt's own hook at the name of a shared one: the shared function once on the call's
+    batch, then the prompt's own on its rows, seeing the shared edit."""
     model = hooked("llama")
     _, corrupted = prompts()
-    seen: list[tuple[int, ...]] = []
-    shared = [("blocks.0.hook_resid_post", lambda value, hook: seen.append(hook.requests))]
-    own = [[("blocks.0.hook_resid_post", lambda value, hook: None)]] + [[]] * (BATCH - 1)
-    model.run_with_hooks(corrupted, fwd_hooks=shared, prompt_hooks=own)
-    assert sorted(seen) == [(i,) for i in range(BATCH)]
+    seen: list[tuple] = []
+    name = "blocks.0.hook_resid_post"
+
+    def shared(value: Tensor, hook) -> None:
+        seen.append(("shared", hook.requests))
+        value += 1.0
+
+    def own(value: Tensor, hook) -> None:
+        seen.append(("own", hook.requests, value.shape[0]))
+
+    model.run_with_hooks(corrupted, fwd_hooks=[(name, shared)],
+                         prompt_hooks=[[(name, own)]] + [[]] * (BATCH - 1))
+    assert seen == [("shared", tuple(range(BATCH))), ("own", (0,), 1)]
 
 
 # ---- generation ------------------------------------------------------------------------------------
@@ -287,11 +437,11 @@ def test_an_exception_in_a_batch_call_reaches_the_caller(hooked):
     assert model(corrupted).shape[0] == BATCH  # the engine keeps serving
 
 
-def test_prompts_of_different_lengths_decode_as_one_batch(hooked):
+def test_prompts_of_different_lengths_decode_as_one_batch(llama):
     """Decode steps give every prompt one row: a shared hook runs once per step on the whole
     call, each prompt at its own position (``hook.first_positions``, ``hook.positions``), with
-    the tokens of each prompt generated alone."""
-    model = hooked("llama")
+    the tokens of each prompt generated alone; ``x[0]`` steers prompt 0 alone."""
+    model = llama
     texts = ["Short", "A somewhat longer prompt", "The longest prompt of the three, by far"]
     lengths = [len(tokens) for tokens in model.token_lists(texts)]
     vector = torch.randn(model.cfg.d_model, generator=torch.Generator().manual_seed(6)) * 3
@@ -305,7 +455,8 @@ def test_prompts_of_different_lengths_decode_as_one_batch(hooked):
     name = "blocks.1.hook_resid_post"
     kwargs = dict(max_new_tokens=4, do_sample=False, stop_at_eos=False, return_type="tokens")
     together = model.generate(texts, fwd_hooks=[(name, steer_late_rows)], **kwargs)
-    decodes = seen[len(texts):]
+    prefill, decodes = seen[0], seen[1:]
+    assert prefill[:3] == ((3, max(lengths)), (0, 1, 2), (0, 0, 0))
     assert [entry[:2] for entry in decodes] == [((3, 1), (0, 1, 2))] * 3
     for step, (_, _, starts, positions) in enumerate(decodes):
         assert starts == tuple(n + step for n in lengths)
@@ -313,6 +464,14 @@ def test_prompts_of_different_lengths_decode_as_one_batch(hooked):
     alone = [model.generate(text, fwd_hooks=[(name, steer_late_rows)], **kwargs)[0]
              for text in texts]
     assert together == alone
+
+    def first_prompt(x: Tensor, hook) -> None:
+        x[0] += vector.to(x.device)
+
+    edited = model.generate(texts, fwd_hooks=[(name, first_prompt)], **kwargs)
+    plain = model.generate(texts, **kwargs)
+    assert edited[0] == model.generate(texts[0], fwd_hooks=[(name, first_prompt)], **kwargs)[0]
+    assert edited[0] != plain[0] and edited[1:] == plain[1:]
 
     def needs_one_start(x: Tensor, hook) -> None:
         hook.first_position  # noqa: B018 - reading it is the test

@@ -1,7 +1,7 @@
 """A hook function shared by a call's prompts sees each prompt whole, as TransformerLens gives it,
 whatever vLLM's token budget per step: vlens prefills every prompt in one step, and where an
-engine was built to split prefills (``max_num_batched_tokens`` below a prompt's length) such a
-hook is refused rather than run on part of a prompt."""
+engine cannot take a call's prefill in one step (``max_num_batched_tokens`` below its tokens,
+``max_num_seqs`` below its prompts) such a hook is refused before the call runs."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 import transformer_lens.patching as tl_patching
 from torch import Tensor
 
-from vlens import HookedVLLM, HookError
+from vlens import HookedVLLM
 from vlens.testing.tiny import tiny_model
 
 #: Longer than the step's token budget vLLM gives an engine by default (4,096 on the CPU): the
@@ -91,15 +91,24 @@ def test_transformer_lens_patching_on_a_long_prompt_equals_the_bridge(long_model
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
 
 
-def test_a_shared_hook_on_a_split_prefill_is_refused_with_the_fix(hooked):
-    """An engine built with a small ``max_num_batched_tokens`` splits long prefills: a shared
-    hook function would see part of a prompt, so the call fails with what to change; per-prompt
-    hooks still see each step's rows."""
+def test_a_shared_hook_that_cannot_see_its_batch_whole_is_refused_before_it_runs(hooked):
+    """An engine built with a small ``max_num_batched_tokens`` splits long prefills, and one
+    step takes at most ``max_num_seqs`` prompts: a shared hook function would see part of the
+    call's batch, so the call is refused before any step runs, naming the setting; per-prompt
+    hooks still see each step's rows, and the engine keeps serving."""
     split = hooked("llama", max_num_batched_tokens=16, max_num_seqs=4)
-    prompt = list(range(2, 42))
-    with pytest.raises(HookError, match=r"max_num_batched_tokens >= 40.*prompt_hooks"):
-        split.run_with_hooks(prompt, fwd_hooks=[("blocks.0.hook_resid_pre", lambda x, h: None)])
+    ran: list[int] = []
+    shared = [("blocks.0.hook_resid_pre", lambda x, hook: ran.append(x.shape[0]))]
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens >= 40 .*prompt_hooks"):
+        split.run_with_hooks(list(range(2, 42)), fwd_hooks=shared)
+    with pytest.raises(ValueError, match=r"3 prompt\(s\) \(30 tokens\).*max_num_batched_tokens >= 30"):
+        split.generate([list(range(2, 12))] * 3, max_new_tokens=2, fwd_hooks=shared)
+    with pytest.raises(ValueError, match=r"max_num_seqs >= 5"):
+        split.run_with_hooks([[2, 3]] * 5, fwd_hooks=shared)
+    assert ran == []
     seen: list[int] = []
-    split(prompt, prompt_hooks=[[("blocks.0.hook_resid_pre", lambda x, hook: seen.append(
+    split(list(range(2, 42)), prompt_hooks=[[("blocks.0.hook_resid_pre", lambda x, hook: seen.append(
         hook.first_position))]])
     assert seen == [0, 16, 32]
+    split.run_with_hooks([[2, 3]] * 4, fwd_hooks=shared)  # what fits runs, as one batch
+    assert ran == [4]

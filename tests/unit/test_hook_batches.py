@@ -1,5 +1,7 @@
-"""Hook functions of several batches of one step, read and written back once
-(:func:`vlens.runtime.hooks.calls.run_hooks_together`)."""
+"""A step's rows as hook functions see them: a call's padded batch (right or left), read once and
+written back once, padding going nowhere (:class:`vlens.runtime.hooks.batches.HookBatch`,
+:func:`vlens.runtime.hooks.calls.run_hooks`); and several requests' own functions read and written
+back together (:func:`vlens.runtime.hooks.calls.run_hooks_together`)."""
 
 from __future__ import annotations
 
@@ -9,8 +11,8 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from vlens.runtime.hooks.batches import Member, StepBatch
-from vlens.runtime.hooks.calls import Hook, refuse_part_of_a_prefill, run_hooks, run_hooks_together
+from vlens.runtime.hooks.batches import HookBatch, Member
+from vlens.runtime.hooks.calls import Hook, run_hooks, run_hooks_together
 from vlens.runtime.sites.torch_hooks import NarrowedCall
 from vlens.runtime.steps.layout import RequestRows
 from vlens.runtime.transfer.messages import NamePlan, RequestCapture, RequestPlan
@@ -32,7 +34,7 @@ class CountedOutput(OutputOf):
         super().write(call, new)
 
 
-def step(lengths: list[int], prefill: bool = True) -> tuple[NarrowedCall, list[StepBatch]]:
+def step(lengths: list[int], prefill: bool = True) -> tuple[NarrowedCall, list[HookBatch]]:
     """A step of one request per length (a call's prompts, each alone), with a fused
     ``(hidden, residual)`` output."""
     hidden, residual = torch.randn(sum(lengths), 8), torch.randn(sum(lengths), 8)
@@ -42,7 +44,7 @@ def step(lengths: list[int], prefill: bool = True) -> tuple[NarrowedCall, list[S
         first = 0 if prefill else 20
         rows = RequestRows(f"call:{index}", start, start + length, first, length if prefill else 5)
         plan = RequestPlan(index, {}, call_size=len(lengths))
-        batches.append(StepBatch.of([Member(rows, plan, RequestCapture())]))
+        batches.append(HookBatch.of_request(Member(rows, plan, RequestCapture())))
         start += length
     return call, batches
 
@@ -61,8 +63,8 @@ def test_one_read_and_one_write_for_every_batch_each_seeing_its_own_rows() -> No
         seen.append((hook.request, tuple(x.shape)))
         return x + (hook.request or 0) + 1
 
-    plan = NamePlan("blocks.0.hook_resid_post", reader, None, (add_index,), False, True)
-    failures = run_hooks_together(plan, batches, call, {}, refuse_part_of_a_prefill)
+    plan = NamePlan("blocks.0.hook_resid_post", reader, None, (add_index,), False)
+    failures = run_hooks_together(plan, batches, call, {})
     assert failures == {}
     assert reader.counts == {"read": 2, "write": 1}  # a sum's write reads it once more
     assert seen == [(0, (1, 3, 8)), (1, (1, 5, 8)), (2, (1, 2, 8))]
@@ -79,10 +81,10 @@ def test_the_same_edits_as_batch_by_batch() -> None:
         x[:, x.shape[1] // 2 :] *= 3.0
 
     plan = NamePlan("blocks.0.hook_resid_post", OutputOf(0, plus=1), None,
-                    (scale_second_half,), False, True)
+                    (scale_second_half,), False)
     run_hooks_together(plan, batches, call, {})
     for batch in batches:
-        run_hooks(plan, batch, twin, {})
+        run_hooks(plan, plan.hooks, batch, twin, {})
     torch.testing.assert_close(call.result[0], twin.result[0], rtol=0, atol=0)
     torch.testing.assert_close(call.result[1], twin.result[1], rtol=0, atol=0)
 
@@ -97,7 +99,7 @@ def test_a_failing_batch_keeps_its_rows_and_the_others_their_edits() -> None:
             raise ValueError("no")
 
     plan = NamePlan("blocks.0.hook_resid_post", OutputOf(0, plus=1), None,
-                    (edit_then_fail_on_one,), False, True)
+                    (edit_then_fail_on_one,), False)
     failures = run_hooks_together(plan, batches, call, {})
     assert list(failures) == [id(batches[1])]
     assert "edit_then_fail_on_one" in str(failures[id(batches[1])])
@@ -116,7 +118,7 @@ def test_untouched_rows_are_written_back_bit_for_bit() -> None:
             x[:] = 0.0
 
     plan = NamePlan("blocks.0.hook_resid_post", OutputOf(0, plus=1), None,
-                    (edit_first,), False, True)
+                    (edit_first,), False)
     run_hooks_together(plan, batches, call, {})
     assert torch.equal(call.result[0][3:], hidden[3:])
     assert torch.equal(call.result[1], residual)
@@ -129,7 +131,90 @@ def test_a_replacement_of_the_wrong_shape_fails_its_batch(shape: tuple[int, ...]
     def wrong(x: Tensor, hook: Hook) -> Tensor | None:
         return torch.zeros(shape) if hook.request == 0 else None
 
-    plan = NamePlan("blocks.0.hook_resid_post", OutputOf(0, plus=1), None, (wrong,), False, True)
+    plan = NamePlan("blocks.0.hook_resid_post", OutputOf(0, plus=1), None, (wrong,), False)
     failures = run_hooks_together(plan, batches, call, {})
     assert list(failures) == [id(batches[0])]
     assert "expected (1, 3, 8)" in str(failures[id(batches[0])])
+
+
+# ---- a call's padded batch ---------------------------------------------------------------------
+
+
+def call_step(
+    lengths: list[int | None], side: str = "right", first: int = 0
+) -> tuple[NarrowedCall, HookBatch]:
+    """A step holding a call's prompts of these ``lengths`` (None: a prompt with no rows in the
+    step), in reverse order of the call, as one batch."""
+    present = [(index, length) for index, length in enumerate(lengths) if length is not None]
+    total = sum(length for _, length in present)
+    hidden, residual = torch.randn(total, 4), torch.randn(total, 4)
+    call = NarrowedCall(nn.Identity(), None, (), {}, (hidden, residual))
+    members, start = [], 0
+    for index, length in reversed(present):
+        rows = RequestRows(f"call:{index}", start, start + length, first, first + length)
+        plan = RequestPlan(index, {}, call_size=len(lengths), padding_side=side)  # type: ignore[arg-type]
+        members.append(Member(rows, plan, RequestCapture()))
+        start += length
+    return call, HookBatch.of_call(sorted(members, key=lambda member: member.plan.index))
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_a_call_of_unequal_prompts_is_one_padded_batch(side: str) -> None:
+    call, batch = call_step([2, 4, 3], side)
+    rows = sums(call).clone()  # prompt 2's rows first in the step, then 1's, then 0's
+    seen: dict[str, Tensor] = {}
+
+    def look(x: Tensor, hook: Hook) -> None:
+        seen.update(x=x.clone(), mask=hook.attention_mask, positions=hook.positions)
+        assert hook.requests == (0, 1, 2) and hook.request is None and hook.lengths == (2, 4, 3)
+
+    plan = NamePlan("blocks.0.hook_resid_post", OutputOf(0, plus=1), None, (), False)
+    run_hooks(plan, (look,), batch, call, {})
+    x, mask = seen["x"], seen["mask"]
+    assert x.shape == (3, 4, 4)
+    own = {2: rows[0:3], 1: rows[3:7], 0: rows[7:9]}
+    for index, length in enumerate((2, 4, 3)):
+        real = slice(4 - length, 4) if side == "left" else slice(0, length)
+        assert torch.equal(x[index, real], own[index])
+        assert mask[index].tolist() == [real.start <= p < real.stop for p in range(4)]
+        assert not x[index][~mask[index]].any()  # padding holds zeros
+        assert seen["positions"][index][mask[index]].tolist() == list(range(length))
+        assert (seen["positions"][index][~mask[index]] == -1).all()
+
+
+def test_an_edit_of_one_prompt_reaches_it_alone_and_padding_goes_nowhere() -> None:
+    call, batch = call_step([2, 4, 3])
+    before = sums(call).clone()
+
+    def edit(x: Tensor, hook: Hook) -> None:
+        x[0] += 1.0  # prompt 0's rows and its padding
+        x[2, 3] += 5.0  # padding of prompt 2 (3 rows)
+
+    plan = NamePlan("blocks.0.hook_resid_post", OutputOf(0, plus=1), None, (), False)
+    run_hooks(plan, (edit,), batch, call, {})
+    expected = before.clone()
+    expected[7:9] += 1.0  # prompt 0 is last in the step
+    torch.testing.assert_close(sums(call), expected, rtol=0, atol=1e-6)
+
+
+def test_a_prompt_absent_from_the_step_is_all_padding() -> None:
+    call, batch = call_step([None, 1, 1], first=9)  # decode: prompt 0 has finished
+    seen: list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = []
+
+    def look(x: Tensor, hook: Hook) -> None:
+        seen.append((tuple(x.shape), hook.lengths, hook.first_positions))
+        assert not x[0].any()
+
+    plan = NamePlan("blocks.0.hook_resid_post", OutputOf(0, plus=1), None, (), False)
+    run_hooks(plan, (look,), batch, call, {})
+    assert seen == [((3, 1, 4), (0, 1, 1), (-1, 9, 9))]
+
+
+def test_equal_prompts_are_read_without_padding_and_in_order_as_one_span() -> None:
+    call, batch = call_step([3, 3])
+    assert batch.dense and batch.span is None  # in the step in reverse order: gathered
+    rows = RequestRows("call:0", 0, 3, 0, 3), RequestRows("call:1", 3, 6, 0, 3)
+    plans = [RequestPlan(index, {}, call_size=2) for index in range(2)]
+    dense = HookBatch.of_call([Member(r, p, RequestCapture()) for r, p in zip(rows, plans)])
+    assert dense.dense and dense.span is not None
+    assert torch.equal(dense.unpadded(dense.padded(sums(call))), sums(call))

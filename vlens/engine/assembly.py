@@ -25,7 +25,10 @@ from vlens.names.derived import Batch, BuiltOnRead, Value, WeightsOn, with_forme
 from vlens.names.lazy_patterns import LazyAttention
 from vlens.names.mapping import DerivedSpec, HookSpec, Spec, per_sample
 from vlens.runtime.transfer.host_blocks import elements_spanned
-from vlens.runtime.transfer.messages import Chunk, PaddedRows
+from vlens.runtime.transfer.messages import Chunk, PaddedRows, PaddingSide
+
+#: The axes of a name's shape that run over a request's positions, and pad.
+POSITION_AXES = ("pos", "query_pos", "key_pos")
 
 
 @dataclass
@@ -39,12 +42,13 @@ class Assembled:
     shapes: dict[str, str]
     lengths: Int[Tensor, " batch"]  # positions run through the model, per request
     sampled_lengths: Int[Tensor, " batch"]  # tokens sampled, per request
-    tokens: Int[Tensor, "batch pos"]  # the token at every position, right-padded with zeros
+    tokens: Int[Tensor, "batch pos"]  # the token at every position, zero at padding
+    padding_side: PaddingSide = "right"
 
     @property
     def attention_mask(self) -> Bool[Tensor, "batch pos"]:
         """True at real positions, False at padding."""
-        return padding_mask(self.lengths)
+        return padding_mask(self.lengths, self.padding_side, self.tokens.shape[1])
 
 
 def assemble(
@@ -81,15 +85,46 @@ def assemble(
     formed = [capture.formed for capture in run.captures]
     for name in call.wanted:
         _derive(name, specs, values, batch, formed)
+    tokens_batch = pad_batch([torch.tensor(t) for t in tokens])
+    side = call.padding_side
+    if side == "left":  # every value was assembled right-padded
+        for name in call.wanted:
+            values[name] = padded_left(values[name], specs[name].shape, lengths)
+        tokens_batch = padded_left(tokens_batch, "pos", lengths)
     cached = LazyValues({name: values[name] for name in call.names})
     shapes = {name: specs[name].shape for name in call.names}
-    tokens_batch = pad_batch([torch.tensor(t) for t in tokens])
-    return Assembled(values, cached, shapes, lengths, sampled_lengths, tokens_batch)
+    return Assembled(values, cached, shapes, lengths, sampled_lengths, tokens_batch, side)
 
 
-def padding_mask(lengths: Int[Tensor, " batch"]) -> Bool[Tensor, "batch pos"]:
-    """True at the first ``lengths[i]`` positions of request ``i``, False at its padding."""
-    return torch.arange(int(lengths.max()))[None, :] < lengths[:, None]
+def padded_left(value: Value, shape: str, lengths: Int[Tensor, " batch"]) -> Value:
+    """A right-padded ``[batch, ...]`` value of ``shape`` padded on the left instead: each
+    request's positions moved to the end of every position axis (``pos``, ``query_pos``,
+    ``key_pos``; a sampler name's ``new_pos`` stays as it is)."""
+    if isinstance(value, LazyAttention):
+        return value.padded_on("left")
+    axes = [axis + 1 for axis, label in enumerate(shape.split()) if label in POSITION_AXES]
+    if not axes:
+        return value
+    positions = value.shape[axes[0]]
+    moved = value.clone()
+    for index, length in enumerate(lengths.tolist()):
+        if length < positions:
+            moved[index] = value[index].roll([positions - length] * len(axes),
+                                             [axis - 1 for axis in axes])
+    return moved
+
+
+def padding_mask(
+    lengths: Int[Tensor, " batch"], side: PaddingSide = "right", positions: int | None = None
+) -> Bool[Tensor, "batch pos"]:
+    """True at request ``i``'s ``lengths[i]`` real positions (the first ones, or with left
+    padding the last ones) of ``positions`` (the longest request's, unless given), False at its
+    padding."""
+    positions = int(lengths.max()) if positions is None else positions
+    offsets = torch.arange(positions)[None, :]
+    if side == "left":
+        return offsets >= positions - lengths[:, None]
+    return offsets < lengths[:, None]
 
 
 def _derive(

@@ -149,10 +149,44 @@ class Engine:
         finally:
             self.running = False
 
+    def check_whole_prefill(self, prompts: list[list[int]], plans: list[RequestPlan]) -> None:
+        """Refuse, before anything runs, a call whose hook functions shared by its prompts need
+        the call's prefill in one engine step (TransformerLens calls them once with the whole
+        padded batch) where vLLM could not schedule it so: more prompts, or more tokens, than
+        one step takes, or more KV-cache blocks than the engine has. Names the settings that
+        make it fit."""
+        if not any(plan.batch_hooked for plan in plans):
+            return
+        config = self.llm.llm_engine.vllm_config
+        scheduler, cache = config.scheduler_config, config.cache_config
+        tokens = sum(len(prompt) for prompt in prompts)
+        short = []
+        if len(prompts) > scheduler.max_num_seqs:
+            short.append(f"max_num_seqs >= {len(prompts)} (it has {scheduler.max_num_seqs})")
+        if tokens > scheduler.max_num_batched_tokens:
+            short.append(f"max_num_batched_tokens >= {tokens} (it has "
+                         f"{scheduler.max_num_batched_tokens})")
+        blocks = cache.num_gpu_blocks
+        needed = sum(-(-len(prompt) // cache.block_size) for prompt in prompts)
+        if blocks is not None and needed > blocks:
+            short.append(f"a KV cache of at least {needed} blocks of {cache.block_size} tokens "
+                         f"(it has {blocks}: raise kv_cache_memory_bytes or "
+                         f"gpu_memory_utilization)")
+        if short:
+            raise ValueError(
+                f"this call's {len(prompts)} prompt(s) ({tokens} tokens) cannot prefill in one "
+                f"engine step, and a hook function shared by its prompts (fwd_hooks, add_hook) "
+                f"sees them as one batch, as TransformerLens's does. Load the model with "
+                f"{', '.join(short)}; or pass fewer prompts per call; or give the function to "
+                f"each prompt through prompt_hooks, if it treats each prompt alone"
+            )
+
     def _run(
         self, prompts: list[list[int]], plans: list[RequestPlan], params: Any, device: str
     ) -> Run:
         from vllm.inputs import TokensPrompt
+
+        self.check_whole_prefill(prompts, plans)
 
         call = next(_call_ids)
         tags = [f"{call}:{index}" for index in range(len(prompts))]

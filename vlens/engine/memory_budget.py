@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
+from vlens.engine.assembly import POSITION_AXES
 from vlens.engine.checkpoint import Checkpoint
 from vlens.engine.planning import CallPlan
 from vlens.names.compiled import dimension
@@ -28,8 +29,6 @@ from vlens.names.mapping import DerivedSpec, Spec
 #: Share of the available memory a cache may take: the rest is for what a call holds besides
 #: (rows joined and padded, the engine's own buffers, the output).
 HEADROOM = 0.8
-
-POSITION_AXES = ("pos", "query_pos", "key_pos")
 
 
 class CacheTooLarge(MemoryError):

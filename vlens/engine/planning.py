@@ -27,7 +27,13 @@ from vlens.names.mapping import (
 )
 from vlens.names.resolve import NamesFilter, select
 from vlens.names.rules import NameRules
-from vlens.runtime.transfer.messages import AttentionPlan, HookFunction, NamePlan, RequestPlan
+from vlens.runtime.transfer.messages import (
+    AttentionPlan,
+    HookFunction,
+    NamePlan,
+    PaddingSide,
+    RequestPlan,
+)
 from vlens.runtime.vocabulary.steering import (
     AnySteer,
     SAESteer,
@@ -48,6 +54,7 @@ class CallPlan:
     wanted: list[str]  # the names computed once it finishes: ``names`` and ``result``
     kept: list[str]  # the names read at vLLM's sites for them
     plans: list[RequestPlan]  # one per prompt
+    padding_side: PaddingSide = "right"  # of the hook functions' batches and of the cache
 
 
 class Planner:
@@ -76,6 +83,7 @@ class Planner:
         prompt_steering: Sequence[Sequence[AnySteer]] | None = None,
         return_type: str | None = None,
         stop_at_layer: int | None = None,
+        padding_side: PaddingSide = "right",
     ) -> CallPlan:
         """What a call of ``prompts`` prompts means, worked out the same way for
         ``run_with_cache``, ``forward``, ``generate`` and a served request: the names
@@ -83,7 +91,8 @@ class Planner:
         (``return_type``'s logits, or with ``stop_at_layer`` the residual entering that block,
         keeping only names computed before it), what is read at vLLM's sites for them (refused
         where a compiled graph does not capture it), each prompt's steers and hook functions
-        (``hooks[i]``; those ``shared`` by every prompt) and a plan per prompt."""
+        (``hooks[i]``; those ``shared`` by every prompt run on the call's batch, padded on
+        ``padding_side``) and a plan per prompt."""
         names = self.names(names_filter)
         result = LOGITS if return_type is not None else None
         if stop_at_layer is not None:
@@ -94,8 +103,8 @@ class Planner:
         kept = self.site_names(wanted)
         self.rules.check_graph_reads(kept, return_type)
         steers = self.steering(steering, prompt_steering, prompts)
-        plans = self.plans(kept, hooks or [{}] * prompts, steers, shared or {})
-        return CallPlan(names, result, wanted, kept, plans)
+        plans = self.plans(kept, hooks or [{}] * prompts, steers, shared or {}, padding_side)
+        return CallPlan(names, result, wanted, kept, plans, padding_side)
 
     def names(self, names_filter: NamesFilter) -> list[str]:
         """The names a call's ``names_filter`` picks, in forward order: names listed, among
@@ -120,90 +129,114 @@ class Planner:
         hooks: Sequence[HooksByName],
         steers: Sequence[tuple[AnySteer, ...]],
         shared: HooksByName,
+        padding_side: PaddingSide = "right",
     ) -> list[RequestPlan]:
-        """One call's plans, one per prompt (``hooks[i]``, ``steers[i]``): :meth:`plan` with the
-        call's size and the hook functions ``shared`` by all its prompts (added hooks and
-        ``fwd_hooks``, which the worker may run once on the call's batch)."""
-        size = len(hooks)
-        return [self.plan(i, kept, hooks[i], steers[i], size, shared) for i in range(size)]
-
-    def plan(
-        self,
-        index: int,
-        kept: Sequence[str],
-        hooks: HooksByName,
-        steers: tuple[AnySteer, ...] = (),
-        call_size: int = 1,
-        shared: HooksByName | None = None,
-    ) -> RequestPlan:
-        """Request ``index``'s names by site, in forward order: each with its hook functions and
-        whether its value is kept for the cache. On a compiled engine the traced names go to
-        the graph, and so do the steers; on an eager one steers become hook functions. Hooks on
-        attention scores, patterns and results become :meth:`attention_plans`. A name's hooks
-        are marked shared where they are exactly the call's ``shared`` functions (no prompt
-        hook or steer of this request's own among them)."""
+        """One call's plans, one per prompt: each with its own hook functions (``hooks[i]``, less
+        those ``shared`` by every prompt, which run once on the call's padded batch) and steers
+        (``steers[i]``), at the same names at every site for the whole call. On a compiled
+        engine the traced names go to the graph, and so do the steers it applies; elsewhere
+        steers become hook functions of their prompt."""
+        graph_keep = frozenset()
         if self.compiled is not None:
             graph_keep = frozenset(name for name in kept if name in self.compiled.traced)
             kept = [name for name in kept if name not in graph_keep]
-            traced_steering = self.compiled.steering
-        else:
-            graph_keep = frozenset()
-            traced_steering = frozenset()
-        for steer in steers:  # those the graph does not apply run as hook functions
-            if isinstance(steer, Steer) and steer.name not in traced_steering:
+        own = [self._own_hooks(hooks[i], steers[i], shared) for i in range(len(hooks))]
+        graph_steers = [self._graph_steers(steers_i) for steers_i in steers]
+        if not kept and not shared and not any(own):  # steering in the graph at most
+            return [
+                RequestPlan(i, {}, graph_keep, graph_steers[i], (), len(hooks),
+                            padding_side=padding_side)
+                for i in range(len(hooks))
+            ]
+        named = {*kept, *shared, *(name for mine in own for name in mine)}
+        return [
+            RequestPlan(
+                index,
+                self._sites(named, set(kept), mine, shared),
+                graph_keep,
+                graph_steers[index],
+                self.attention_plans(kept, mine, shared),
+                len(hooks),
+                padding_side=padding_side,
+            )
+            for index, mine in enumerate(own)
+        ]
+
+    def _own_hooks(
+        self, hooks: HooksByName, steers: tuple[AnySteer, ...], shared: HooksByName
+    ) -> HooksByName:
+        """A prompt's own hook functions: its ``hooks`` past the ``shared`` ones they begin
+        with, then the steers the graph does not apply, as hook functions."""
+        own = {}
+        for name, functions in hooks.items():
+            common = shared.get(name, ())
+            if functions[: len(common)] != common:
+                raise AssertionError(f"{name}: a prompt's hooks must begin with the shared ones")
+            if functions[len(common):]:
+                own[name] = functions[len(common):]
+        traced = self.compiled.steering if self.compiled is not None else frozenset()
+        for steer in steers:
+            if isinstance(steer, Steer) and steer.name not in traced:
                 function = as_hook_function(steer, self.width(steer.name))
-                hooks = {**hooks, steer.name: (*hooks.get(steer.name, ()), function)}
-        steers = tuple(
-            steer for steer in steers
-            if isinstance(steer, SAESteer) or steer.name in traced_steering
-        )
-        if not hooks and not kept:  # steering in the graph at most (a served request, often)
-            return RequestPlan(index, {}, graph_keep, steers, (), call_size)
-        common = shared_names(hooks, shared or {})
+                own[steer.name] = (*own.get(steer.name, ()), function)
+        return own
+
+    def _graph_steers(self, steers: tuple[AnySteer, ...]) -> tuple[AnySteer, ...]:
+        """The steers a compiled graph applies itself: SAE edits, and steers at its
+        ``compiled_steering`` names."""
+        traced = self.compiled.steering if self.compiled is not None else frozenset()
+        return tuple(s for s in steers if isinstance(s, SAESteer) or s.name in traced)
+
+    def _sites(
+        self, named: set[str], kept: set[str], own: HooksByName, shared: HooksByName
+    ) -> dict[Site, tuple[NamePlan, ...]]:
+        """One request's names by site, in forward order: every name some prompt of the call
+        hooks or keeps (derived names' hooks go to :meth:`attention_plans`)."""
         sites: dict[Site, list[NamePlan]] = {}
         for name, spec in self.specs.items():
-            if (name not in hooks and name not in kept) or isinstance(spec, DerivedSpec):
+            if name not in named or isinstance(spec, DerivedSpec):
                 continue
-            functions = hooks.get(name, ())
-            plan = NamePlan(name, spec.read, spec.arrange, functions, name in kept, name in common)
+            plan = NamePlan(name, spec.read, spec.arrange, own.get(name, ()), name in kept,
+                            shared.get(name, ()))
             sites.setdefault(spec.site, []).append(plan)
-        by_site = {site: tuple(plans) for site, plans in sites.items()}
-        attention = self.attention_plans(kept, hooks, common)
-        return RequestPlan(index, by_site, graph_keep, steers, attention, call_size)
+        return {site: tuple(plans) for site, plans in sites.items()}
 
     def attention_plans(
-        self, kept: Sequence[str], hooks: HooksByName, shared: frozenset[str] = frozenset()
+        self, kept: Sequence[str], own: HooksByName, shared: HooksByName
     ) -> tuple[AttentionPlan, ...]:
-        """One plan per layer whose scores, pattern or results carry hook functions, in forward
-        order. A stage the worker forms is kept for the cache (as the hooks leave it) when the
-        names it is rebuilt from are kept, i.e. when the call may want it: the cache then holds
-        the worker's value instead of one rebuilt from q and k (scores and pattern are kept
-        together: hooks on one change the other). A plan is shared when every hooked stage's
-        name is in ``shared``."""
-        hooked: dict[ExplicitAttention, dict[AttentionStage, tuple[HookFunction, ...]]] = {}
-        hooked_names: dict[ExplicitAttention, list[str]] = {}
-        for name, functions in hooks.items():
+        """One plan per layer whose scores, pattern or results carry hook functions (a prompt's
+        ``own`` or the call's ``shared``), in forward order. A stage the worker forms is kept
+        for the cache (as the hooks leave it) when the names it is rebuilt from are kept, i.e.
+        when the call may want it: the cache then holds the worker's value instead of one
+        rebuilt from q and k (scores and pattern are kept together: hooks on one change the
+        other)."""
+        hooked: dict[ExplicitAttention, set[AttentionStage]] = {}
+        for name in {*own, *shared}:
             spec = self.specs[name]
             if isinstance(spec, DerivedSpec):
                 assert isinstance(spec.hookable, ExplicitStage), f"{name} cannot carry hooks"
-                hooked.setdefault(spec.hookable.attention, {})[spec.hookable.stage] = functions
-                hooked_names.setdefault(spec.hookable.attention, []).append(name)
+                hooked.setdefault(spec.hookable.attention, set()).add(spec.hookable.stage)
         plans = []
         kept_names = set(kept)
         for attention, names in self.explicit.items():
             if attention not in hooked:
                 continue
-            stage_hooks = hooked[attention]
-            formed = {"result"} if stage_hooks.get("result") else set()
-            if stage_hooks.get("scores") or stage_hooks.get("pattern"):
+            stages = hooked[attention]
+            formed = {"result"} & stages
+            if stages & {"scores", "pattern"}:
                 formed |= {"scores", "pattern"}
             keep = frozenset(
                 stage
                 for stage in formed
                 if stage in names and set(site_sources(self.specs, names[stage])) <= kept_names
             )
-            common = all(name in shared for name in hooked_names[attention])
-            plans.append(AttentionPlan(attention, dict(names), stage_hooks, keep, common))
+            plans.append(AttentionPlan(
+                attention,
+                dict(names),
+                {stage: own[names[stage]] for stage in names if names[stage] in own},
+                keep,
+                {stage: shared[names[stage]] for stage in names if names[stage] in shared},
+            ))
         return tuple(plans)
 
     def steering(
@@ -310,14 +343,3 @@ def computed_before(name: str, layer: int) -> bool:
     if name.startswith("blocks."):
         return int(name.split(".")[1]) < layer
     return name.startswith(("hook_embed", "hook_pos_embed"))
-
-
-def shared_names(hooks: HooksByName, shared: HooksByName) -> frozenset[str]:
-    """The names whose hook functions are exactly ``shared``'s (the same objects, in order)."""
-    return frozenset(
-        name
-        for name, functions in hooks.items()
-        if functions
-        and len(functions) == len(shared.get(name, ()))
-        and all(mine is theirs for mine, theirs in zip(functions, shared[name]))
-    )

@@ -48,8 +48,10 @@ def cache_use(plan: RequestPlan) -> CacheUse:
     """The prefix-cache use of the request planned by ``plan`` (see the module's docstring)."""
     functions = [function for names in plan.sites.values() for name in names
                  for function in name.hooks]
-    hooked = any(not isinstance(getattr(f, "steer", None), Steer) for f in functions) or any(
-        any(stage for stage in attention.hooks.values()) for attention in plan.attention
+    hooked = (
+        plan.batch_hooked
+        or any(not isinstance(getattr(f, "steer", None), Steer) for f in functions)
+        or any(any(stage for stage in attention.hooks.values()) for attention in plan.attention)
     )
     if hooked:
         return CacheUse(read=False, salt=f"vlens-own-{next(_own_salts)}-{id(plan)}")

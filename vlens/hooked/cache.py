@@ -14,6 +14,7 @@ from transformer_lens.utilities import Slice, SliceInput
 
 from vlens.engine.assembly import Assembled, LazyValues, padding_mask
 from vlens.names.resolve import UnknownHookName, canonical, short_form
+from vlens.runtime.transfer.messages import PaddingSide
 
 
 class VLensCache(ActivationCache):
@@ -35,6 +36,7 @@ class VLensCache(ActivationCache):
         cache = cls(assembled.cached, model, assembled.lengths, assembled.shapes)
         cache.sampled_lengths = assembled.sampled_lengths
         cache.tokens = assembled.tokens
+        cache.padding_side = assembled.padding_side
         return cache
 
     def __init__(
@@ -52,6 +54,8 @@ class VLensCache(ActivationCache):
         self.tokens: Int[Tensor, "batch pos"] | None = None
         #: ``PATH.inputs`` read as one value: its arguments' cached names, by argument
         self.groups: dict[str, dict[str, str]] = {}
+        #: where each request's padding is: after its positions, or before them
+        self.padding_side: PaddingSide = "right"
 
     def unpadded(self, name: str, index: int) -> Tensor:
         """Request ``index``'s value of ``name`` without padding on any position axis."""
@@ -64,13 +68,16 @@ class VLensCache(ActivationCache):
             if word == "new_pos":
                 value = value.narrow(axis, 0, int(self.sampled_lengths[index]))
             elif word.endswith("pos"):
-                value = value.narrow(axis, 0, int(self.lengths[index]))
+                length = int(self.lengths[index])
+                start = value.shape[axis] - length if self.padding_side == "left" else 0
+                value = value.narrow(axis, start, length)
         return value
 
     @property
     def attention_mask(self) -> Bool[Tensor, "batch pos"]:
         """True at real positions, False at padding."""
-        return padding_mask(self.lengths)
+        positions = None if self.tokens is None else self.tokens.shape[1]
+        return padding_mask(self.lengths, self.padding_side, positions)
 
     def __getitem__(self, key: Any) -> Tensor:
         if isinstance(key, str) and key in self.groups:  # a call's arguments, by name
@@ -151,6 +158,7 @@ class VLensCache(ActivationCache):
         cache.sampled_lengths = self.sampled_lengths[rows]
         cache.tokens = None if self.tokens is None else self.tokens[rows]
         cache.groups = self.groups
+        cache.padding_side = self.padding_side
         return cache
 
 

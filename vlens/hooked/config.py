@@ -9,9 +9,9 @@ from typing import Literal
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from vlens.names.mapping import ArchitectureMapping, attention_dimensions
+from vlens.runtime.transfer.messages import PaddingSide
 
-PaddingSide = Literal["left", "right"]
-PADDING_SIDES = ("left", "right")
+PADDING_SIDES: tuple[PaddingSide, ...] = ("left", "right")
 
 
 def tokenizer_bos_eos(tokenizer: PreTrainedTokenizerBase) -> tuple[bool, bool]:

@@ -38,6 +38,7 @@ class GenerateMethods:
     tokenizer: Any
     token_lists: Any
     _hooks_per_prompt: Any
+    _padding_side: Any
 
     def generate(
         self,
@@ -94,7 +95,8 @@ class GenerateMethods:
             fwd_hooks, prompt_hooks, len(prompts), max_new_tokens > 1
         )
         call = self.checkpoint.planner.call(
-            len(prompts), [], hooks, shared, steering, prompt_steering
+            len(prompts), [], hooks, shared, steering, prompt_steering,
+            padding_side=self._padding_side(padding_side),
         )
         stops = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
         params = SamplingParams(

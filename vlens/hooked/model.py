@@ -270,7 +270,9 @@ class HookedVLLM(TokenMethods, GenerateMethods, ModelViews, ModuleSurface, SAEMe
         """Run the prompts through vLLM and return ``(output, cache)``; added hooks apply.
 
         ``output`` is what :meth:`forward` returns for ``return_type`` (logits at every
-        position by default). Prompts of different lengths are right-padded with zeros, and
+        position by default). Prompts of different lengths are padded with zeros on
+        ``padding_side`` (None: the tokenizer's, ``cfg.default_padding_side``), as
+        TransformerLens pads them, in the cache, the logits and every hook function's batch;
         ``cache.lengths`` / ``cache.attention_mask`` tell real positions from padding.
 
         With ``max_new_tokens=n`` each prompt is also continued greedily by ``n`` tokens and the
@@ -302,7 +304,7 @@ class HookedVLLM(TokenMethods, GenerateMethods, ModelViews, ModuleSurface, SAEMe
         self.raw.admit(names_filter, max_new_tokens > 1)
         call = self.checkpoint.planner.call(
             len(prompts), names_filter, hooks, shared, steering, prompt_steering, return_type,
-            stop_at_layer,
+            stop_at_layer, self._padding_side(padding_side),
         )
         check_cache_fits(self.checkpoint, call, prompts, max_new_tokens, device,
                          not return_cache_object, self.engine.dtype)

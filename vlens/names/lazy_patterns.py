@@ -59,6 +59,8 @@ class LazyAttention:
     batched: bool = True
     soft_cap: float | None = None
     window: int | None = None
+    #: where a request's padding goes: after its positions, or before them (both axes)
+    padding_side: str = "right"
 
     def build(self) -> Tensor:
         """The whole value, ``[batch, head, pos, pos]`` (``[head, pos, pos]`` unbatched)."""
@@ -66,6 +68,9 @@ class LazyAttention:
         value = self.q.new_empty(batch, heads, positions, positions)
         for index in range(batch):
             self._fill(value[index], index)
+            shift = positions - self.lengths[index]
+            if self.padding_side == "left" and shift:
+                value[index] = value[index].roll((shift, shift), dims=(1, 2))
         return value if self.batched else value[0]
 
     def build_request(self, index: int) -> Tensor:
@@ -80,6 +85,10 @@ class LazyAttention:
         """The pattern of these scores (the worker forms both together, so formed scores never
         come without their formed pattern: the pattern's own formed values replace them)."""
         return dataclasses.replace(self, stage="pattern", formed=(None,) * len(self.lengths))
+
+    def padded_on(self, side: str) -> LazyAttention:
+        """The same value, padded on ``side`` when built."""
+        return dataclasses.replace(self, padding_side=side)
 
     def with_formed(self, formed: Sequence[Tensor | None]) -> LazyAttention:
         return dataclasses.replace(self, formed=tuple(formed))

@@ -146,11 +146,12 @@ class WorkerRuntime:
             if plan.attention and refused is not None:
                 self.captures[tag].error = refused  # raised after the call; its hooks never run
             else:
-                self.attention.prepare(tag, plan.index, plan.call_size, plan.attention)
+                self.attention.prepare(tag, plan.index, plan.call_size, plan.attention,
+                                       plan.padding_side)
         for site in {site for plan in self.wanted.values() for site in plan.sites}:
             if site not in self.handles and site not in self.graph_hook_sites:
                 self.handles[site] = install_site(self.model, site, self.sites.fired(site))
-        self.sites.follow(requests)
+        self.sites.follow()
         self._activate_graph_hook_sites()
 
     def finish(self, tags: list[str], device: str = "cpu") -> Handback:
@@ -207,7 +208,8 @@ class WorkerRuntime:
         if self.graph is None:
             return None
         for layer in plan.attention:
-            for path in {layer.attention.module_of(stage) for stage, on in layer.hooks.items() if on}:
+            stages = {*layer.hooks, *layer.batch_hooks}
+            for path in {layer.attention.module_of(s) for s in stages if layer.hooked(s)}:
                 if Site(path, "call") not in self.graph_hook_sites:
                     return (f"{next(iter(layer.names.values()))}: this compiled engine computes "
                             f"no attention at {path}; declare the name in compiled_hooks")

@@ -23,10 +23,11 @@ Two forward hooks, each registered ahead of any other hook on its module:
   through the ``hook_result`` functions as ``[1, pos, head, d_model]``; where they change it,
   ``Σ_h result_h + b_O`` replaces the request's rows of the projection's output.
 
-A call's requests whose hook functions are all shared, with the same plan and rows of one first
-position and length in the step (so one key length), run each stage's functions once on their
-batch, ``[batch, ...]`` in the call's order (:mod:`vlens.runtime.hooks.batches`); an edit of the batch
-writes every one of them.
+The hook functions a call's prompts share run each stage once per step on the call's padded batch
+(``[batch, head, q_pos, k_pos]``, ``[batch, pos, head, d_model]``, each prompt's queries and keys
+at the start or the end of their axes as the call pads: :mod:`vlens.runtime.hooks.batches`; scores
+padded with -inf, patterns and results with zeros), then each prompt's own functions on its value
+alone; an edit of the batch rewrites every prompt of it.
 
 The stages a plan keeps are recorded as the hooks leave them and handed back as whole values
 (``RequestCapture.formed``), for the cache to hold instead of what it would rebuild from q and k.
@@ -53,18 +54,25 @@ from vlens.runtime.attention.arithmetic import (
     softmax_pattern,
 )
 from vlens.runtime.attention.kv_history import KeyValueHistory
-from vlens.runtime.hooks.batches import StepBatch, in_batches, rows_key
-from vlens.runtime.hooks.calls import call_hooks, hook_batch, hook_point, refuse_part_of_a_prefill
+from vlens.runtime.hooks.batches import HookBatch, call_of
+from vlens.runtime.hooks.calls import call_hooks, hook_copy, hook_point, refuse_part_of_a_prefill
 from vlens.runtime.sites.torch_hooks import NarrowedCall, find_module
 from vlens.runtime.steps.layout import RequestRows
-from vlens.runtime.transfer.messages import AttentionPlan, HookError, RequestCapture
+from vlens.runtime.transfer.messages import (
+    AttentionPlan,
+    HookError,
+    PaddingSide,
+    RequestCapture,
+)
 
 if TYPE_CHECKING:
     from vlens.runtime.vocabulary.locations import ExplicitAttention
 
-#: What fills a kept stage where a request's rows have no value: keys after a query (scores at
-#: -inf, pattern at 0) and nothing else (results never have gaps).
+#: What fills a stage where a request's rows have no value: keys after a query, and a padded
+#: batch's padding (scores at -inf, pattern and results at 0).
 _FILL = {"scores": float("-inf"), "pattern": 0.0, "result": 0.0}
+#: Each stage's position axes, in one request's value without the batch axis.
+_POSITION_AXES = {"scores": (1, 2), "pattern": (1, 2), "result": (0,)}
 
 
 @dataclass
@@ -76,6 +84,7 @@ class LayerAttention:
     plan: AttentionPlan
     index: int
     call_size: int = 1
+    padding_side: PaddingSide = "right"
     history: KeyValueHistory = field(default_factory=KeyValueHistory)
     kept: dict[str, list[tuple[int, Tensor]]] = field(default_factory=dict)
 
@@ -143,10 +152,15 @@ class AttentionSites:
         self.weights: dict[tuple[str, torch.dtype, torch.device], tuple[Tensor, Tensor]] = {}
 
     def prepare(
-        self, tag: str, index: int, call_size: int, plans: tuple[AttentionPlan, ...]
+        self,
+        tag: str,
+        index: int,
+        call_size: int,
+        plans: tuple[AttentionPlan, ...],
+        padding_side: PaddingSide = "right",
     ) -> None:
         for plan in plans:
-            state = LayerAttention(plan, index, call_size)
+            state = LayerAttention(plan, index, call_size, padding_side)
             if plan.forms_pattern:
                 self.layers[(tag, plan.attention.kernel, "kernel")] = state
             if plan.forms_results:
@@ -209,23 +223,13 @@ class AttentionSites:
         return served
 
     def _batches(self, path: str, role: Role) -> list[list[Attended]]:
-        """The served requests as they run this hook's stages: a call's requests together
-        where their hook functions are shared and their plans and rows alike, else alone."""
-        served = self._served(path, role)
-        if len(served) < 2:
-            return [served] if served else []
-
-        def key(member: Attended) -> tuple[str, int, int] | None:
-            shared = member.state.plan.shared and member.state.call_size > 1
-            return rows_key(member.rows) if shared else None
-
-        return in_batches(
-            served,
-            key,
-            lambda member: member.state.call_size,
-            lambda member: member.state.index,
-            lambda first, other: first.state.plan == other.state.plan,
-        )
+        """The served requests by call, each call's in its order: they run this hook's stages
+        together (the functions their prompts share once on the call's batch)."""
+        by_call: dict[str, list[Attended]] = {}
+        for member in self._served(path, role):
+            by_call.setdefault(call_of(member.rows.tag), []).append(member)
+        return [sorted(members, key=lambda member: member.state.index)
+                for members in by_call.values()]
 
     def _fired(self, path: str, role: Role, run: Stage):
         def hook(_module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -299,22 +303,32 @@ class AttentionSites:
     def _stage(
         self, batch: list[Attended], stage: str, values: list[Tensor]
     ) -> tuple[list[Tensor], bool]:
-        """Each request's ``value`` (without the batch axis) through the stage's hook functions,
-        once for the batch, and kept where its plan keeps the stage; whether a function changed
-        them."""
-        first = batch[0].state.plan
-        functions = first.hooks.get(stage, ())
+        """Each request's ``value`` (without the batch axis) through the stage's hook functions:
+        those the call's prompts share once on their padded batch, then each request's own; kept
+        where its plan keeps the stage. Whether a function changed them."""
+        first = batch[0].state
+        name = first.plan.names.get(stage, "")
         edited = False
-        if functions:
-            batched = hook_batch(values)
-            name = first.names[stage]
-            rows = StepBatch([member.rows for member in batch],
-                             tuple(member.state.index for member in batch))
-            if first.shared:
-                refuse_part_of_a_prefill(name, functions, rows)
-            hook = hook_point(name, rows, batched.device, self.contexts)
-            batched, edited = call_hooks(functions, batched, hook)
-            values = list(batched.unbind(0))
+        shared = first.plan.batch_hooks.get(stage, ())
+        if shared:
+            layout = HookBatch([member.rows for member in batch],
+                               tuple(member.state.index for member in batch), first.call_size,
+                               tuple(range(first.call_size)), first.padding_side)
+            refuse_part_of_a_prefill(name, shared, layout)
+            axes = _POSITION_AXES[stage]
+            padded = layout.padded_values(values, axes, _FILL[stage])
+            hook = hook_point(name, layout, padded.device, self.contexts)
+            padded, edited = call_hooks(shared, padded, hook)
+            if edited:
+                values = layout.unpadded_values(padded, values, axes)
+        for position, (rows, state, _) in enumerate(batch):
+            own = state.plan.hooks.get(stage, ())
+            if own:
+                alone = HookBatch([rows], (0,), 1, (state.index,))
+                value = hook_copy(values[position][None])
+                hook = hook_point(name, alone, value.device, self.contexts)
+                value, changed = call_hooks(own, value, hook)
+                values[position], edited = value[0], edited or changed
         for (rows, state, _), value in zip(batch, values):
             if stage in state.plan.keep:  # the hooks' own tensor, or one computed here: no copy
                 state.kept.setdefault(stage, []).append((rows.first_position, value))

@@ -1,108 +1,38 @@
-"""Which requests of an engine step run a hook function together: TransformerLens's batch.
+"""A step's rows as a hook function sees them: TransformerLens's padded batch.
 
-TransformerLens calls a hook function once per forward with the whole batch, ``[batch, pos, ...]``.
-vLLM runs each prompt as a request of its own, and its scheduler may put a call's prompts in
-different steps (the token budget splits prefills; prompts of different lengths decode at
-different positions; some finish early). vlens calls a hook function shared by all prompts of a
-call (added hooks, ``fwd_hooks``; :attr:`~vlens.runtime.transfer.messages.NamePlan.shared`) once on the
-call's batch, in the prompts' order in the call, wherever that batch is whole in a step: every
-prompt of the call present, with the same number of rows (and all prefilling, or all decoding),
-and the same names and hook functions at the site. Row-wise values (the residual stream, MLP and
-attention outputs, ...) batch even where the prompts sit at different positions, as prompts of
-different lengths do when they decode together (:func:`shape_key`; ``hook.first_positions``
-says where each one is); attention scores and patterns, whose shapes depend on the position,
-batch only where every prompt is at the same one (:func:`rows_key`). Everywhere else each
-request's hook functions run on its own value, ``[1, pos, ...]``, as they always may
-(``prompt_hooks`` and steers are per prompt by design). The batch is always the whole call, so
-that ``x[i]`` is prompt ``i``, as in TransformerLens.
+TransformerLens calls a forward hook once per forward with the whole ``[batch, pos, ...]`` value,
+padded on the call's padding side. vLLM runs each prompt as a request of its own, in one flat
+``[total_tokens, ...]`` batch per engine step. So a hook function shared by a call's prompts
+(added hooks, ``fwd_hooks``) runs once per site and engine step on the call's batch: every prompt
+of the call on the batch axis, in the call's order, whatever the prompts' lengths; the positions
+axis as long as the longest prompt's rows in the step (the whole prompts on a prefill, one row
+each on a decode step), each prompt's rows at its start (right padding) or its end (left
+padding). Padding holds zeros (vLLM never computes it) and an edit there goes nowhere; a prompt
+with no rows in the step (finished, or not yet scheduled) is all padding. ``hook.lengths`` and
+``hook.attention_mask`` tell real rows from padding.
 
-Whether a call's requests agree at a site is decided once, when the call's plans arrive
-(:func:`batched_sites`); each step only groups by rows (:func:`in_batches`). Every tensor-parallel
-rank receives the same plans and reads the same layout, so every rank groups alike.
+A prompt's own hook functions (``prompt_hooks``, steers run as hooks) see its own rows alone,
+``[1, pos, ...]``. Either way the value is read from the step once (one span of rows, or its rows
+gathered) and, if a function edited it, written back once (:mod:`vlens.runtime.hooks.calls`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, TypeVar
+from functools import cached_property
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from vlens.runtime.steps.layout import RequestRows
-from vlens.runtime.transfer.messages import NamePlan, RequestCapture, RequestPlan
-from vlens.runtime.vocabulary.locations import Site
-
-Item = TypeVar("Item")
+from vlens.runtime.transfer.messages import PaddingSide, RequestCapture, RequestPlan
 
 
 def call_of(tag: str) -> str:
     """The call a request belongs to, from its tag ``"{call}:{index}"``."""
     return tag.rpartition(":")[0]
-
-
-def shares_hooks(names: Sequence[NamePlan]) -> bool:
-    """Whether some of a site's names carry hook functions, and all of those are shared by the
-    call's prompts."""
-    hooked = [name for name in names if name.hooks]
-    return bool(hooked) and all(name.shared for name in hooked)
-
-
-def batched_sites(requests: Mapping[str, RequestPlan]) -> set[tuple[str, Site]]:
-    """The ``(call, site)`` pairs at which a call's requests (all among ``requests``, by tag)
-    may run their hook functions as one batch: two or more of them, each with the same names at
-    the site, their hook functions all shared."""
-    by_call: dict[str, list[RequestPlan]] = {}
-    for tag, plan in requests.items():
-        by_call.setdefault(call_of(tag), []).append(plan)
-    found = set()
-    for call, plans in by_call.items():
-        if len(plans) < 2 or len(plans) != plans[0].call_size:
-            continue
-        for site, names in plans[0].sites.items():
-            if shares_hooks(names) and all(plan.sites.get(site) == names for plan in plans[1:]):
-                found.add((call, site))
-    return found
-
-
-def rows_key(rows: RequestRows) -> tuple[str, int, int]:
-    """What a batch's requests share in a step where values depend on the position (attention
-    scores and patterns): their call, first position and number of rows."""
-    return call_of(rows.tag), rows.first_position, rows.stop - rows.start
-
-
-def shape_key(rows: RequestRows) -> tuple[str, int, bool]:
-    """What a batch's requests share in a step for a row-wise value: their call, number of
-    rows, and whether they prefill."""
-    return call_of(rows.tag), rows.stop - rows.start, rows.is_prefill
-
-
-def in_batches(
-    members: Sequence[Item],
-    key: Callable[[Item], Hashable | None],
-    call_size: Callable[[Item], int],
-    index: Callable[[Item], int],
-    alike: Callable[[Item, Item], bool] | None = None,
-) -> list[list[Item]]:
-    """``members`` (one per request of this step) as the lists that run together: those of one
-    ``key`` form one batch, in ``index`` order, where they are the whole call (``call_size`` of
-    them) and ``alike`` the first; every other member alone (and any with the key None)."""
-    batches: list[list[Item]] = []
-    together: dict[Hashable, list[Item]] = {}
-    for member in members:
-        found = key(member)
-        if found is None:
-            batches.append([member])
-        else:
-            together.setdefault(found, []).append(member)
-    for group in together.values():
-        whole = len(group) > 1 and len(group) == call_size(group[0])
-        if whole and (alike is None or all(alike(group[0], other) for other in group[1:])):
-            batches.append(sorted(group, key=index))
-        else:
-            batches.extend([member] for member in group)
-    return batches
 
 
 class Member(NamedTuple):
@@ -113,30 +43,61 @@ class Member(NamedTuple):
     capture: RequestCapture
 
 
-@dataclass
-class StepBatch:
-    """Requests of one step that run a site's hook functions together (one, or a call's whole
-    batch), in their order in the call, and where their rows are. Sites with the same requests
-    share it, so that a step with hooks at every layer works this out once, not per layer."""
+@dataclass(eq=False)
+class HookBatch:
+    """Rows of one step laid out as one hook function's ``[batch, pos, ...]`` value: ``rows[j]``
+    (consecutive rows of the step) go to ``places[j]`` on the batch axis of ``size``; their
+    prompts are ``requests`` (the call's index of each place). Sites with the same requests share
+    it, so that a step with hooks at every layer lays it out once."""
 
     rows: list[RequestRows]
-    indices: tuple[int, ...]  # in the call
-    members: list[Member] = field(default_factory=list)
+    places: tuple[int, ...]
+    size: int
+    requests: tuple[int, ...]
+    padding_side: PaddingSide = "right"
+    #: the positions axis: the most rows of one prompt
+    length: int = field(init=False)
+    #: each place's number of real rows (0 for a prompt with none in the step)
+    lengths: tuple[int, ...] = field(init=False)
+    #: each place's first position (-1 for a prompt with none in the step)
     first_positions: tuple[int, ...] = field(init=False)
-    #: the members' rows as one span of the step (consecutive, in this order), else None
+    #: the rows as one span of the step (consecutive, in this order), else None
     span: RequestRows | None = field(init=False)
-    #: whether some member prefills in this step
-    prefills: bool = field(init=False)
+    #: whether the value is the rows themselves, unpadded: every place filled, lengths equal
+    dense: bool = field(init=False)
     _index: dict[torch.device, Tensor] = field(init=False, default_factory=dict)
+    _slots: dict[torch.device, Tensor] = field(init=False, default_factory=dict)
 
     @classmethod
-    def of(cls, members: list[Member]) -> StepBatch:
-        rows = [member.rows for member in members]
-        return cls(rows, tuple(member.plan.index for member in members), members)
+    def of_call(cls, members: Sequence[Member]) -> HookBatch:
+        """A call's requests in this step (one member each, in the call's order) on the call's
+        batch."""
+        plan = members[0].plan
+        return cls(
+            [member.rows for member in members],
+            tuple(member.plan.index for member in members),
+            plan.call_size,
+            tuple(range(plan.call_size)),
+            plan.padding_side,
+        )
+
+    @classmethod
+    def of_request(cls, member: Member) -> HookBatch:
+        """One request alone: ``[1, pos, ...]``."""
+        return cls([member.rows], (0,), 1, (member.plan.index,))
 
     def __post_init__(self) -> None:
-        self.first_positions = tuple(rows.first_position for rows in self.rows)
-        self.prefills = any(rows.is_prefill for rows in self.rows)
+        counts = [rows.stop - rows.start for rows in self.rows]
+        self.length = max(counts)
+        lengths, firsts = [0] * self.size, [-1] * self.size
+        for place, rows, count in zip(self.places, self.rows, counts):
+            lengths[place], firsts[place] = count, rows.first_position
+        self.lengths, self.first_positions = tuple(lengths), tuple(firsts)
+        self.dense = (
+            len(self.rows) == self.size
+            and self.places == tuple(range(self.size))
+            and all(count == self.length for count in counts)
+        )
         first = self.rows[0]
         if len(self.rows) == 1:
             self.span = first
@@ -147,14 +108,85 @@ class StepBatch:
             self.span = None
 
     @property
-    def length(self) -> int:
-        """Each member's number of rows (one for all)."""
-        return self.rows[0].stop - self.rows[0].start
+    def request(self) -> int | None:
+        """The prompt's index in the call, where the batch is one prompt's; None for a batch."""
+        return self.requests[0] if self.size == 1 else None
+
+    @property
+    def is_prefill(self) -> bool:
+        """Whether some prompt prefills in this step."""
+        return any(rows.is_prefill for rows in self.rows)
+
+    @cached_property
+    def split_prefill(self) -> tuple[int, RequestRows] | None:
+        """A prompt (its index in the call, its rows) whose prefill vLLM split over steps and
+        this step runs part of; None where every prefill here is whole."""
+        for place, rows in zip(self.places, self.rows):
+            count = rows.stop - rows.start
+            if rows.is_prefill and (rows.first_position > 0 or count < rows.prompt_length):
+                return self.requests[place], rows
+        return None
 
     def index(self, device: torch.device) -> Tensor:
-        """The members' rows of the step, gathered in batch order (where they are no span)."""
+        """The rows of the step, gathered in this order (where they are no span)."""
         if device not in self._index:
             self._index[device] = torch.tensor(
                 [i for own in self.rows for i in range(own.start, own.stop)], device=device
             )
         return self._index[device]
+
+    def slots(self, device: torch.device) -> Tensor:
+        """Where each gathered row goes in the flattened ``[size * length]`` value."""
+        if device not in self._slots:
+            slots = []
+            for place, rows in zip(self.places, self.rows):
+                count = rows.stop - rows.start
+                start = place * self.length + (self.length - count) * (self.padding_side == "left")
+                slots.extend(range(start, start + count))
+            self._slots[device] = torch.tensor(slots, device=device)
+        return self._slots[device]
+
+    def padded(self, rows: Tensor) -> Tensor:
+        """The gathered ``rows`` (``[rows, ...]``, in this order) as the hook function's own
+        ``[size, length, ...]`` tensor, zero at padding (made outside inference mode, so that
+        an edit in place bumps its version)."""
+        with torch.inference_mode(False):
+            if self.dense:
+                return rows.clone().unflatten(0, (self.size, self.length))
+            value = rows.new_zeros((self.size * self.length, *rows.shape[1:]))
+            value[self.slots(rows.device)] = rows
+            return value.unflatten(0, (self.size, self.length))
+
+    def unpadded(self, value: Tensor) -> Tensor:
+        """The real rows of a ``[size, length, ...]`` value, gathered in this order: what is
+        written back (padding goes nowhere)."""
+        flat = value.flatten(0, 1)
+        return flat if self.dense else flat[self.slots(value.device)]
+
+    def padded_values(
+        self, values: Sequence[Tensor], axes: Sequence[int], fill: float
+    ) -> Tensor:
+        """Per-place values whose ``axes`` are positions (``[head, q_pos, k_pos]`` scores, one
+        prompt's each) as one ``[size, ...]`` tensor, padded with ``fill`` on this batch's side:
+        the layout of the hook functions of derived names."""
+        shape = [max(value.shape[axis] for value in values) if axis in axes else size
+                 for axis, size in enumerate(values[0].shape)]
+        with torch.inference_mode(False):
+            batch = values[0].new_full((self.size, *shape), fill)
+            for place, value in zip(self.places, values):
+                batch[(place, *self._region(value.shape, shape, axes))] = value
+        return batch
+
+    def unpadded_values(
+        self, batch: Tensor, like: Sequence[Tensor], axes: Sequence[int]
+    ) -> list[Tensor]:
+        """The inverse of :meth:`padded_values`: each place's value, shaped as ``like``."""
+        shape = list(batch.shape[1:])
+        return [batch[(place, *self._region(value.shape, shape, axes))]
+                for place, value in zip(self.places, like)]
+
+    def _region(self, own: Sequence[int], whole: Sequence[int], axes: Sequence[int]) -> list[slice]:
+        left = self.padding_side == "left"
+        return [slice(whole[axis] - size if left else 0, whole[axis] if left else size)
+                if axis in axes else slice(None)
+                for axis, size in enumerate(own)]

@@ -1,14 +1,13 @@
-"""Running a user's TransformerLens hook function on the rows of one request, or of a call's
-batch, and writing its edit back.
+"""Running a user's TransformerLens hook functions on the rows of a step and writing their edit
+back.
 
-The function sees TransformerLens's value as a tensor of its own: ``[batch, pos, ...]`` for the
-requests of one call that run together (:mod:`vlens.runtime.hooks.batches`), in their order in the call,
-or ``[1, pos, ...]`` for one request (``pos`` = the rows in this engine step: the prompt, a prefill
-chunk, or one decode row). It may return a replacement, or edit the tensor in place and return
-None: either way the edit is written into vLLM's tensors through the name's write rule, so the
-model computes on with it and every later name sees it. A batch is read once and written once
-(one span of the step's rows, or its rows gathered), so a hook function costs about the same for
-one prompt as for hundreds.
+A function sees TransformerLens's value as a tensor of its own: the call's padded batch,
+``[batch, pos, ...]``, for the functions every prompt of the call shares, or one prompt's
+``[1, pos, ...]`` for its own (:mod:`vlens.runtime.hooks.batches`). It may return a replacement, or
+edit the tensor in place and return None: either way the edit is written into vLLM's tensors
+through the name's write rule, so the model computes on with it and every later name sees it.
+The rows are read once and written once (one span of the step's rows, or its rows gathered), so
+a hook function costs about the same for one prompt as for hundreds.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ import torch
 from einops import rearrange
 from torch import Tensor
 
-from vlens.runtime.hooks.batches import StepBatch
+from vlens.runtime.hooks.batches import HookBatch
 from vlens.runtime.sites.torch_hooks import NarrowedCall
 from vlens.runtime.transfer.messages import HookError, HookFunction, NamePlan
 from vlens.runtime.vocabulary.readers import writable
@@ -33,14 +32,16 @@ from vlens.runtime.vocabulary.readers import writable
 @dataclass
 class Hook:
     """The ``hook`` argument of a hook function: TransformerLens's ``HookPoint`` surface
-    (``name``, ``layer()``, ``ctx``) plus where these rows sit.
+    (``name``, ``layer()``, ``ctx``) plus where the value's rows sit.
 
-    ``requests`` are the indices in the call of the prompts whose rows the value holds, in
-    its batch order; ``request`` the index when the value is one prompt's, None when it is a
-    batch of several. ``is_prefill`` False on decode steps. Each prompt's ``length`` rows start at
-    its entry of ``first_positions`` (in batch order): the same for every prompt of a batch on
-    a prefill, different where prompts of different lengths decode together. :attr:`positions`
-    holds every row's sequence position, ``[batch, pos]``, on the value's ``device``.
+    ``requests`` are the indices in the call of the prompts on the value's batch axis, in
+    order; ``request`` the index when the value is one prompt's, None for the call's batch.
+    ``is_prefill`` False on decode steps. The value's positions axis is ``length`` long; prompt
+    ``i`` holds ``lengths[i]`` real rows there, from sequence position ``first_positions[i]``
+    on, at the start of the axis (``padding_side="right"``) or its end (``"left"``); the rest is
+    padding: zeros, and edits there go nowhere. :attr:`attention_mask` (``[batch, pos]``, True
+    at real rows) and :attr:`positions` (each row's sequence position, -1 at padding) are made
+    on the value's ``device`` when first asked for.
     """
 
     name: str
@@ -51,6 +52,8 @@ class Hook:
     device: torch.device
     ctx: dict[str, Any] = field(default_factory=dict)
     requests: tuple[int, ...] = ()
+    lengths: tuple[int, ...] = ()
+    padding_side: str = "right"
 
     @property
     def first_position(self) -> int:
@@ -58,19 +61,32 @@ class Hook:
         if len(set(self.first_positions)) > 1:
             raise ValueError(
                 f"the prompts of this batch are at different positions {self.first_positions} "
-                f"(prompts of different lengths decoding together): use hook.first_positions "
-                f"(one per prompt, in batch order) or hook.positions ([batch, pos])"
+                f"(prompts of different lengths, or not every prompt in this step): use "
+                f"hook.first_positions (one per prompt, in batch order, -1 for a prompt with no "
+                f"rows here) or hook.positions ([batch, pos], -1 at padding)"
             )
         return self.first_positions[0]
 
     @cached_property
-    def positions(self) -> Tensor:
-        """``[batch, pos]``: each row's sequence position, beside the value's ``[batch, pos]``
-        axes, so that ``x[hook.positions >= 5] += v`` edits those rows whether the prompts sit at
-        the same positions or not. Made when first asked for (most hooks never do), where the
-        value is."""
+    def attention_mask(self) -> Tensor:
+        """``[batch, pos]``, True at each prompt's real rows, False at padding (as
+        ``cache.attention_mask`` for a cache)."""
         offsets = torch.arange(self.length, device=self.device)
-        return torch.tensor(self.first_positions, device=self.device)[:, None] + offsets
+        lengths = torch.tensor(self.lengths, device=self.device)[:, None]
+        if self.padding_side == "left":
+            return offsets >= self.length - lengths
+        return offsets < lengths
+
+    @cached_property
+    def positions(self) -> Tensor:
+        """``[batch, pos]``: each row's sequence position (-1 at padding), beside the value's
+        ``[batch, pos]`` axes, so that ``x[hook.positions >= 5] += v`` edits those rows whether
+        the prompts sit at the same positions or not."""
+        offsets = torch.arange(self.length, device=self.device)
+        if self.padding_side == "left":
+            offsets = offsets - (self.length - torch.tensor(self.lengths, device=self.device))[:, None]
+        first = torch.tensor(self.first_positions, device=self.device)[:, None]
+        return torch.where(self.attention_mask, first + offsets, -1)
 
     def layer(self) -> int:
         found = re.match(r"blocks\.(\d+)\.", self.name)
@@ -97,20 +113,19 @@ def rows_from_hook(plan: NamePlan, value: Tensor) -> Tensor:
 
 def run_hooks(
     plan: NamePlan,
-    batch: StepBatch,
+    functions: tuple[HookFunction, ...],
+    batch: HookBatch,
     whole: NarrowedCall,
     contexts: dict[str, dict[str, Any]],
 ) -> None:
-    """Run ``plan.hooks`` in order on the value of ``plan.name`` of the requests of ``batch``
-    (``whole``, the site's call over the whole step, narrowed to their rows), batched in their
-    order, and write each one's part of the edit back. The batch is read once and written once
-    (:func:`batch_call`), whatever its size."""
+    """Run ``functions`` in order on the value of ``plan.name`` laid out as ``batch`` says
+    (``whole``: the site's call over the whole step), and write the edit of its real rows back.
+    The rows are read once and written once (:func:`batch_call`), whatever their number."""
     call = batch_call(whole, batch)
     original = plan.read(call)
-    batched = original.unflatten(0, (len(batch.rows), batch.length))
-    value = arranged(plan, hook_copy(batched))
+    value = arranged(plan, batch.padded(original))
     hook = hook_point(plan.name, batch, value.device, contexts)
-    value, edited = call_hooks(plan.hooks, value, hook)
+    value, edited = call_hooks(functions, value, hook)
     if not edited:
         return
     if not writable(plan.read):
@@ -119,50 +134,45 @@ def run_hooks(
             f"into vLLM (it is computed from the model's tensors, not one of them): hook a name "
             f"that feeds it instead"
         )
-    new = rows_from_hook(plan, value).flatten(0, 1)
-    plan.read.write(call, new.to(original.dtype))
+    plan.read.write(call, batch.unpadded(rows_from_hook(plan, value)).to(original.dtype))
 
 
-Refusal = Callable[[str, Sequence[HookFunction], StepBatch], None]
+Refusal = Callable[[str, Sequence[HookFunction], HookBatch], None]
 
 
 def run_hooks_together(
     plan: NamePlan,
-    batches: Sequence[StepBatch],
+    batches: Sequence[HookBatch],
     whole: NarrowedCall,
     contexts: dict[str, dict[str, Any]],
-    refuse: Refusal | None = None,
 ) -> dict[int, HookError]:
-    """:func:`run_hooks` for several batches of one step with the same hook functions at
-    ``plan.name``: the value of all their rows is read once, copied once and, if some function
-    edited it, written back once; each batch's functions run on a view of its own rows, as they
-    would alone. (A call's prompts that prefill in different steps, or finish at different
-    times, each run alone: without this, every one of them would cost a read, a copy and a
-    write.) Each batch is first passed to ``refuse``. Returns the failures by ``id`` of the
-    batch; a failed batch's rows are written back as they were."""
+    """:func:`run_hooks` of ``plan.hooks`` for several requests of one step with the same own
+    hook functions at ``plan.name`` (one :class:`HookBatch` each): the value of all their rows
+    is read once, copied once and, if some function edited it, written back once; each
+    request's functions run on a view of its own rows, as they would alone. Returns the
+    failures by ``id`` of the batch; a failed batch's rows are written back as they were."""
     if plan.arrange is not None or not writable(plan.read):
-        return _one_by_one(plan, batches, whole, contexts, refuse)
-    members = [member for batch in batches for member in batch.members]
-    call = batch_call(whole, StepBatch.of(members))
+        return _one_by_one(plan, batches, whole, contexts)
+    rows = [own for batch in batches for own in batch.rows]
+    together = HookBatch(rows, tuple(range(len(rows))), len(rows), ())
+    call = batch_call(whole, together)
     original = plan.read(call)
     value = hook_copy(original)
     version = value._version
     failures: dict[int, HookError] = {}
     start = 0
     for batch in batches:
-        rows = slice(start, start + len(batch.rows) * batch.length)
-        start = rows.stop
-        part = value[rows].unflatten(0, (len(batch.rows), batch.length))
+        part_rows = slice(start, start + batch.length)
+        start = part_rows.stop
+        part = value[part_rows].unflatten(0, (1, batch.length))
         try:
-            if refuse is not None:
-                refuse(plan.name, plan.hooks, batch)
             hook = hook_point(plan.name, batch, value.device, contexts)
             result, _ = call_hooks(plan.hooks, part, hook)
             if result is not part:
                 part.copy_(result)
         except HookError as error:
             failures[id(batch)] = error
-            part.copy_(original[rows].unflatten(0, part.shape[:2]))
+            part.copy_(original[part_rows].unflatten(0, part.shape[:2]))
     if value._version != version:
         plan.read.write(call, value)
     return failures
@@ -170,48 +180,47 @@ def run_hooks_together(
 
 def _one_by_one(
     plan: NamePlan,
-    batches: Sequence[StepBatch],
+    batches: Sequence[HookBatch],
     whole: NarrowedCall,
     contexts: dict[str, dict[str, Any]],
-    refuse: Refusal | None,
 ) -> dict[int, HookError]:
-    """:func:`run_hooks_together` where the value cannot be viewed per batch (a name
-    TransformerLens arranges otherwise) or written back (then only the batch that edits fails)."""
+    """:func:`run_hooks_together` where the value cannot be viewed per request (a name
+    TransformerLens arranges otherwise) or written back (then only the request that edits
+    fails)."""
     failures: dict[int, HookError] = {}
     for batch in batches:
         try:
-            if refuse is not None:
-                refuse(plan.name, plan.hooks, batch)
-            run_hooks(plan, batch, whole, contexts)
+            run_hooks(plan, plan.hooks, batch, whole, contexts)
         except HookError as error:
             failures[id(batch)] = error
     return failures
 
 
 def refuse_part_of_a_prefill(
-    name: str, functions: Sequence[HookFunction], batch: StepBatch
+    name: str, functions: Sequence[HookFunction], batch: HookBatch
 ) -> None:
     """A hook function shared by a call's prompts is TransformerLens's: it sees each prompt's
-    whole prefill at once, and may index it at absolute positions. Where vLLM split a prefill
-    over engine steps (an engine built with a ``max_num_batched_tokens`` below the prompt's
-    length), running it on a step's part would edit the wrong rows: refused instead."""
-    if not batch.prefills:
+    whole prefill at once, and may index it at absolute positions. The engine refuses a call
+    whose prompts cannot prefill in one step before it runs (``Engine.check_whole_prefill``);
+    should vLLM still split a prefill over steps, running the function on a step's part would
+    edit the wrong rows: refused instead."""
+    split = batch.split_prefill
+    if split is None:
         return
-    for own, index in zip(batch.rows, batch.indices):
-        rows_run = own.stop - own.start
-        if own.is_prefill and (own.first_position > 0 or rows_run < own.prompt_length):
-            raise HookError(
-                f"hook function {function_name(functions[0])} on {name}: vLLM split prompt "
-                f"{index}'s prefill ({own.prompt_length} tokens) over engine steps, so this step "
-                f"holds only its positions {own.first_position}-{own.first_position + rows_run - 1}"
-                f", where TransformerLens hands a hook the whole prompt. Build the model without "
-                f"max_num_batched_tokens (vlens then prefills every prompt in one step) or with "
-                f"max_num_batched_tokens >= {own.prompt_length}; or pass the function in "
-                f"prompt_hooks, whose functions see each step's rows (hook.positions)"
-            )
+    index, own = split
+    rows_run = own.stop - own.start
+    raise HookError(
+        f"hook function {function_name(functions[0])} on {name}: vLLM split prompt {index}'s "
+        f"prefill ({own.prompt_length} tokens) over engine steps, so this step holds only its "
+        f"positions {own.first_position}-{own.first_position + rows_run - 1}, where "
+        f"TransformerLens hands a hook the whole prompt. Build the model without "
+        f"max_num_batched_tokens (vlens then prefills every prompt in one step) or with "
+        f"max_num_batched_tokens >= {own.prompt_length}; or pass the function in prompt_hooks, "
+        f"whose functions see each step's rows (hook.positions)"
+    )
 
 
-def batch_call(whole: NarrowedCall, batch: StepBatch) -> NarrowedCall:
+def batch_call(whole: NarrowedCall, batch: HookBatch) -> NarrowedCall:
     """The site's call narrowed to the rows of ``batch``, in its order: views of one span where
     they are consecutive rows of the step in this order (the usual case on vLLM's persistent
     batch, and always for one request); else their rows gathered by index."""
@@ -238,28 +247,21 @@ def hook_copy(value: Tensor) -> Tensor:
         return value.clone()
 
 
-def hook_batch(values: Sequence[Tensor]) -> Tensor:
-    """Tensors of one shape (one per request) stacked on a new first axis, as the hook
-    function's own tensor (see :func:`hook_copy`)."""
-    if len(values) == 1:
-        return hook_copy(values[0].unsqueeze(0))
-    with torch.inference_mode(False):
-        return torch.stack(list(values))
-
-
 def hook_point(
-    name: str, batch: StepBatch, device: torch.device, contexts: dict[str, dict[str, Any]]
+    name: str, batch: HookBatch, device: torch.device, contexts: dict[str, dict[str, Any]]
 ) -> Hook:
-    """The ``hook`` argument for the requests of ``batch`` at ``name``."""
+    """The ``hook`` argument for the value ``batch`` lays out at ``name``."""
     return Hook(
         name=name,
-        request=batch.indices[0] if len(batch.indices) == 1 else None,
+        request=batch.request,
         first_positions=batch.first_positions,
         length=batch.length,
-        is_prefill=batch.rows[0].is_prefill,
+        is_prefill=batch.is_prefill,
         device=device,
         ctx=contexts.setdefault(name, {}),
-        requests=batch.indices,
+        requests=batch.requests,
+        lengths=batch.lengths,
+        padding_side=batch.padding_side,
     )
 
 

@@ -1,11 +1,14 @@
 """What a site does when it fires on vLLM's forward (eager engines, and the hook sites of a
-compiled one): the step's requests that need it grouped into the batches that run hook functions
-together (:mod:`vlens.runtime.hooks.batches`), the hook functions run on each batch's value with
-their edits written back (:mod:`vlens.runtime.hooks.calls`), the values asked for kept, and names
-no hook touches read once over the whole step (:mod:`vlens.runtime.steps.kept_steps`).
+compiled one): the step's requests that need it grouped by call, the hook functions a call's
+prompts share run once on the call's padded batch and each prompt's own on its rows
+(:mod:`vlens.runtime.hooks.batches`, :mod:`vlens.runtime.hooks.calls`), with their edits written
+back, the values asked for kept, and names no hook touches read once over the whole step
+(:mod:`vlens.runtime.steps.kept_steps`).
 
-A failure inside a request's hooks is recorded for that request (for every request of its batch)
-and stops its hooks; the engine runs on, and the user's process raises it after the call.
+At each name of a site, in forward order: the shared functions, then each prompt's own, then
+the kept value. A failure inside a shared function is recorded for every prompt of its call in
+the step, one inside a prompt's own for that prompt; either stops the failed prompts' hooks, the
+engine runs on, and the user's process raises it after the call.
 """
 
 from __future__ import annotations
@@ -18,15 +21,12 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from vlens.runtime.hooks.batches import (
-    Member,
-    StepBatch,
-    batched_sites,
-    call_of,
-    in_batches,
-    shape_key,
+from vlens.runtime.hooks.batches import HookBatch, Member, call_of
+from vlens.runtime.hooks.calls import (
+    refuse_part_of_a_prefill,
+    run_hooks,
+    run_hooks_together,
 )
-from vlens.runtime.hooks.calls import refuse_part_of_a_prefill, run_hooks, run_hooks_together
 from vlens.runtime.sites.splices import Splice
 from vlens.runtime.sites.torch_hooks import NarrowedCall, buffers_of, read_rows
 from vlens.runtime.steps.kept_steps import KeptSteps, Segment, add_chunk, copy_rows, kept_rows
@@ -63,28 +63,24 @@ class EagerSites:
     step_rows: dict[tuple[str, ...], tuple[slice | Tensor, list[Segment]]] = field(
         default_factory=dict
     )
-    #: (call, site) where the call's requests may run their hook functions as one batch
-    batched: set[tuple[str, Site]] = field(default_factory=set)
-    #: per site: what decides its step's batches (:meth:`refresh`)
-    site_keys: dict[Site, tuple[frozenset[str], frozenset[str]]] = field(default_factory=dict)
+    #: per site: the requests it serves (what decides its step's calls, :meth:`refresh`)
+    site_keys: dict[Site, frozenset[str]] = field(default_factory=dict)
     #: sites where some request runs a hook function
     hooked_sites: set[Site] = field(default_factory=set)
-    #: per hooked site: each request's kind of names there (equal kinds, equal names)
-    name_kinds: dict[Site, dict[str, int]] = field(default_factory=dict)
-    #: this step's batches, by site key (:meth:`_batches_at`)
-    step_batches: dict[tuple[frozenset[str], frozenset[str]], list[StepBatch]] = field(
-        default_factory=dict
-    )
+    #: (call, site) where some request of the call runs hook functions of its own
+    own_hooks: set[tuple[str, Site]] = field(default_factory=set)
+    #: this step's requests by call, by site key (:meth:`_calls_at`)
+    step_calls: dict[frozenset[str], list[list[Member]]] = field(default_factory=dict)
+    #: each of this step's calls laid out as its hook functions' batch, by ``id`` of its list of
+    #: requests in :attr:`step_calls`, beside that list (made once for every layer's site)
+    step_batches: dict[int, tuple[list[Member], HookBatch]] = field(default_factory=dict)
 
-    def follow(self, requests: dict[str, RequestPlan]) -> None:
-        """New requests (already among ``wanted``): where their calls may batch."""
-        self.batched |= batched_sites(requests)
+    def follow(self) -> None:
+        """New requests joined ``wanted``."""
         self.refresh()
 
     def forget(self, tags: list[str]) -> None:
         """Finished requests (already out of ``wanted``): their steps' rows dropped."""
-        calls = {call_of(tag) for tag in self.wanted}
-        self.batched = {key for key in self.batched if key[0] in calls}
         self.refresh()
         if self.wanted:  # requests overlap (a server): forget only the finished ones
             self.kept_steps.forget(tags)
@@ -93,6 +89,7 @@ class EagerSites:
 
     def new_step(self) -> None:
         self.step_rows.clear()
+        self.step_calls.clear()
         self.step_batches.clear()
 
     def fired(self, site: Site) -> Callable[[tuple, dict, Any], None]:
@@ -106,157 +103,153 @@ class EagerSites:
             splice = self.splices.get(site)
             if splice is not None:
                 splice.apply(NarrowedCall(self.model, None, args, kwargs, output, self.parallel))
-            batches = self._batches_at(site)
-            if not batches:
+            calls = self._calls_at(site)
+            if not calls:
                 return
             if not sampled and site not in self.hooked_sites:
                 whole = NarrowedCall(self.model, None, args, kwargs, output, self.parallel)
-                self._read_whole_step(site, batches, whole)
+                self._read_whole_step(site, calls, whole)
                 return
             buffers = buffers_of(args, kwargs, output)  # to tell a reader's views from new values
             whole = NarrowedCall(self.model, None, args, kwargs, output, self.parallel, buffers)
-            for group in self._alike(site, batches):
-                if len(group) == 1:
-                    self._serve(site, group[0], whole, sampled)
-                else:
-                    self._serve_together(site, group, whole, sampled)
+            for members in calls:
+                self._serve(site, members, whole, sampled)
 
         return on_call
 
-    def _batches_at(self, site: Site) -> list[StepBatch]:
-        """The requests served at a site this step, as they run its hook functions: a call's
-        requests together where they may (:mod:`vlens.runtime.hooks.batches`), every other one alone.
-        Worked out once per step for all the sites with the same requests (every layer's
-        site, usually), until a request fails."""
+    def _calls_at(self, site: Site) -> list[list[Member]]:
+        """The requests served at a site this step, by call, each call's in its order. Worked
+        out once per step for all the sites with the same requests (every layer's site,
+        usually), until a request fails."""
         key = self.site_keys.get(site)
         if key is None or site.event == "sampled":
-            return self._batches_of(site, self.rows_for(site))
-        batches = self.step_batches.get(key)
-        if batches is None or any(
-            member.capture.error is not None for batch in batches for member in batch.members
+            return self._calls_of(site, self.rows_for(site))
+        calls = self.step_calls.get(key)
+        if calls is None or any(
+            member.capture.error is not None for members in calls for member in members
         ):
-            batches = self.step_batches[key] = self._batches_of(site, self.rows_for(site))
-        return batches
+            calls = self.step_calls[key] = self._calls_of(site, self.rows_for(site))
+        return calls
 
-    def _batches_of(self, site: Site, step: list[RequestRows]) -> list[StepBatch]:
-        served = []
+    def _calls_of(self, site: Site, step: list[RequestRows]) -> list[list[Member]]:
+        by_call: dict[str, list[Member]] = {}
         for rows in step:
             plan = self.wanted.get(rows.tag)
             capture = self.captures.get(rows.tag)
             if plan is not None and plan.sites.get(site) and capture is not None:
                 if capture.error is None:
-                    served.append(Member(rows, plan, capture))
-        if not self.batched:
-            return [StepBatch.of([member]) for member in served]
-
-        def key(member: Member) -> tuple[str, int, bool] | None:
-            rows = member.rows
-            return shape_key(rows) if (call_of(rows.tag), site) in self.batched else None
-
-        groups = in_batches(served, key, lambda m: m.plan.call_size, lambda m: m.plan.index)
-        return [StepBatch.of(group) for group in groups]
+                    by_call.setdefault(call_of(rows.tag), []).append(Member(rows, plan, capture))
+        return [sorted(members, key=lambda member: member.plan.index)
+                for members in by_call.values()]
 
     def refresh(self) -> None:
-        """For each site some request needs: which requests it serves and which calls batch
-        there (what decides its step's batches), and whether a hook function runs there."""
+        """For each site some request needs: which requests it serves (what decides its step's
+        calls), and whether a hook function runs there."""
         tags: dict[Site, set[str]] = {}
-        self.hooked_sites = set()
+        self.hooked_sites, self.own_hooks = set(), set()
         for tag, plan in self.wanted.items():
             for site, names in plan.sites.items():
                 if names:
                     tags.setdefault(site, set()).add(tag)
                 if any(name.hooks for name in names):
+                    self.own_hooks.add((call_of(tag), site))
+                if any(name.hooks or name.batch_hooks for name in names):
                     self.hooked_sites.add(site)
-        batched: dict[Site, set[str]] = {}
-        for call, site in self.batched:
-            batched.setdefault(site, set()).add(call)
-        self.site_keys = {
-            site: (frozenset(served), frozenset(batched.get(site, ())))
-            for site, served in tags.items()
-        }
-        self.name_kinds = {site: self._kinds_at(site) for site in self.hooked_sites}
+        self.site_keys = {site: frozenset(served) for site, served in tags.items()}
+        self.step_calls.clear()
         self.step_batches.clear()
 
-    def _kinds_at(self, site: Site) -> dict[str, int]:
-        """Each request's names at ``site`` as a number, equal where the names (hook functions
-        included) are: requests of one kind may be read and written together."""
-        kinds: dict[tuple[NamePlan, ...], int] = {}
-        found = {}
-        for tag, plan in self.wanted.items():
-            names = plan.sites.get(site)
-            if names:
-                found[tag] = kinds.setdefault(names, len(kinds))
-        return found
-
-    def _alike(self, site: Site, batches: list[StepBatch]) -> list[list[StepBatch]]:
-        """``batches`` grouped by their requests' kind of names at ``site``, each group in the
-        order of the step's rows (one span, where they are consecutive)."""
-        kinds = self.name_kinds.get(site, {})
-        groups: dict[int, list[StepBatch]] = {}
-        for batch in batches:
-            groups.setdefault(kinds.get(batch.rows[0].tag, -1 - len(groups)), []).append(batch)
-        return [sorted(group, key=lambda batch: batch.rows[0].start) for group in groups.values()]
-
-    def _serve(self, site: Site, batch: StepBatch, whole: NarrowedCall, sampled: bool) -> None:
-        """Run the names of a site, in order, for the requests of ``batch`` (one, or a call's
-        batch, all with the same names): hook functions on their value (batched), then their
-        kept rows. A failure is recorded for every request of the batch and stops their hooks
-        here. ``sampled``: the site is the sampler's (one row per sampled token, no prefill)."""
-        for name in batch.members[0].plan.sites[site]:
-            try:
-                if name.hooks:
-                    if name.shared and not sampled:
-                        refuse_part_of_a_prefill(name.name, name.hooks, batch)
-                    run_hooks(name, batch, whole, self.contexts)
-                if name.keep:
-                    self._keep(name, batch, whole)
-            except Exception as error:
-                self._record(batch, name.name, error)
-                break
-
-    def _serve_together(
-        self, site: Site, batches: list[StepBatch], whole: NarrowedCall, sampled: bool
-    ) -> None:
-        """:meth:`_serve` for batches whose requests carry the same names at ``site`` (the
-        prompts of a call that do not run as one batch in this step, each alone): each name's
-        value is read, copied and written back once for all of them
-        (:func:`~vlens.runtime.hooks.calls.run_hooks_together`); the hook functions still run per
-        batch, on views of their rows. A batch that fails stops there; the others go on."""
-        live = list(batches)
-        for name in live[0].members[0].plan.sites[site]:
-            if name.hooks:
-                refuse = None if sampled or not name.shared else refuse_part_of_a_prefill
+    def _serve(self, site: Site, members: list[Member], whole: NarrowedCall, sampled: bool) -> None:
+        """Run the names of a site, in order, for one call's requests in this step (all with the
+        same names there): the call's shared hook functions once on its padded batch, each
+        request's own on its rows, then the kept rows. ``sampled``: the site is the sampler's
+        (one row per sampled token, no prefill)."""
+        live = members
+        batch: HookBatch | None = None
+        own_hooks = (call_of(members[0].rows.tag), site) in self.own_hooks
+        for slot, first in enumerate(members[0].plan.sites[site]):
+            if first.batch_hooks:
+                batch = batch or self._batch_of(live)
                 try:
-                    failures = run_hooks_together(name, live, whole, self.contexts, refuse)
+                    if not sampled:
+                        refuse_part_of_a_prefill(first.name, first.batch_hooks, batch)
+                    run_hooks(first, first.batch_hooks, batch, whole, self.contexts)
                 except Exception as error:
-                    failures = {id(batch): error for batch in live}
-                for batch in live:
-                    if id(batch) in failures:
-                        self._record(batch, name.name, failures[id(batch)])
-                live = [batch for batch in live if id(batch) not in failures]
-            if name.keep:
-                for batch in list(live):
-                    try:
-                        self._keep(name, batch, whole)
-                    except Exception as error:
-                        self._record(batch, name.name, error)
-                        live.remove(batch)
-            if not live:
-                return
+                    self._record(live, first.name, error)
+                    return
+            failed: set[int] = set()
+            if own_hooks:
+                own = [member for member in live if member.plan.sites[site][slot].hooks]
+                failed = {id(member) for member in self._run_own(site, slot, own, whole)}
+            if first.keep:  # a call's requests keep the same names
+                for member in live:
+                    if id(member) not in failed:
+                        try:
+                            self._keep(first, member, whole)
+                        except Exception as error:
+                            self._record([member], first.name, error)
+                            failed.add(id(member))
+            if failed:
+                live = [member for member in live if id(member) not in failed]
+                batch = None
+                if not live:
+                    return
 
-    def _keep(self, name: NamePlan, batch: StepBatch, whole: NarrowedCall) -> None:
-        """Capture ``name``'s value (as the hooks left it) for each request of ``batch``."""
-        for own, member in zip(batch.rows, batch.members):
-            # Every rank reads (a split value is gathered, a collective); one hands back, so
-            # that results come back once.
-            value = read_rows(dataclasses.replace(whole, rows=own), name.read)
-            if self.hands_back and value is not None:
-                add_chunk(member.capture.chunks[name.name], Chunk(own.first_position, value))
+    def _batch_of(self, members: list[Member]) -> HookBatch:
+        """``members`` (one call's, in this step) laid out as its batch; once per step for the
+        lists of :attr:`step_calls`."""
+        known = self.step_batches.get(id(members))
+        if known is not None and known[0] is members:
+            return known[1]
+        batch = HookBatch.of_call(members)
+        self.step_batches[id(members)] = (members, batch)
+        return batch
+
+    def _run_own(
+        self, site: Site, slot: int, members: list[Member], whole: NarrowedCall
+    ) -> list[Member]:
+        """Each request's own hook functions at a site's ``slot``-th name, on its own rows;
+        requests with the same functions are read, copied and written together
+        (:func:`~vlens.runtime.hooks.calls.run_hooks_together`). The requests that failed."""
+        failed = []
+        by_functions: dict[tuple, list[Member]] = {}
+        for member in members:
+            by_functions.setdefault(member.plan.sites[site][slot].hooks, []).append(member)
+        for alike in by_functions.values():
+            name = alike[0].plan.sites[site][slot]
+            if len(alike) == 1:
+                try:
+                    run_hooks(name, name.hooks, HookBatch.of_request(alike[0]), whole,
+                              self.contexts)
+                except Exception as error:
+                    self._record(alike, name.name, error)
+                    failed.extend(alike)
+                continue
+            alike.sort(key=lambda member: member.rows.start)
+            batches = [HookBatch.of_request(member) for member in alike]
+            try:
+                failures = run_hooks_together(name, batches, whole, self.contexts)
+            except Exception as error:
+                failures = {id(batch): error for batch in batches}
+            for member, batch in zip(alike, batches):
+                if id(batch) in failures:
+                    self._record([member], name.name, failures[id(batch)])
+                    failed.append(member)
+        return failed
+
+    def _keep(self, name: NamePlan, member: Member, whole: NarrowedCall) -> None:
+        """Capture ``name``'s value (as the hooks left it) for ``member`` (``name`` read as any
+        request of its call reads it)."""
+        # Every rank reads (a split value is gathered, a collective); one hands back, so that
+        # results come back once.
+        value = read_rows(dataclasses.replace(whole, rows=member.rows), name.read)
+        if self.hands_back and value is not None:
+            add_chunk(member.capture.chunks[name.name], Chunk(member.rows.first_position, value))
 
     @staticmethod
-    def _record(batch: StepBatch, name: str, error: BaseException) -> None:
-        """A failure at ``name``, for every request of ``batch``."""
-        for member in batch.members:
+    def _record(members: list[Member], name: str, error: BaseException) -> None:
+        """A failure at ``name``, for each of ``members``."""
+        for member in members:
             if isinstance(error, HookError):
                 member.capture.error, member.capture.cause = str(error), error.__cause__
             else:
@@ -264,14 +257,17 @@ class EagerSites:
                     traceback.format_exception(error)
                 )
 
-    def _read_whole_step(self, site: Site, batches: list[StepBatch], call: NarrowedCall) -> None:
+    def _read_whole_step(
+        self, site: Site, calls: list[list[Member]], call: NarrowedCall
+    ) -> None:
         """No hook runs here this step: read each name once over the whole step and copy out
         the rows of the requests that keep it (see :mod:`vlens.runtime.steps.kept_steps`)."""
         by_name: dict[str, tuple[NamePlan, list[tuple[RequestRows, RequestCapture]]]] = {}
-        for batch in batches:
-            for rows, plan, capture in batch.members:
+        for members in calls:
+            for rows, plan, capture in members:
                 for name in plan.sites[site]:
-                    by_name.setdefault(name.name, (name, []))[1].append((rows, capture))
+                    if name.keep:
+                        by_name.setdefault(name.name, (name, []))[1].append((rows, capture))
         for name, (plan, keepers) in by_name.items():
             try:
                 value = plan.read(call)  # every rank reads: a split value is gathered

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from torch import Tensor
 
@@ -30,20 +30,25 @@ TAG_KEY = "vlens_tag"
 
 HookFunction = Callable[[Tensor, Any], Tensor | None]
 
+#: Where a padded batch puts each prompt's padding: after its positions, or before them.
+PaddingSide = Literal["left", "right"]
+
 
 @dataclass(frozen=True)
 class NamePlan:
-    """One canonical name at one site: ``hooks`` run first (they may edit), then, if ``keep``,
-    the (possibly edited) value is captured for the cache. ``shared``: every one of ``hooks`` is
-    shared by all prompts of the call (added hooks, ``fwd_hooks``; not ``prompt_hooks`` or
-    steers), so they may run once on the call's batch (:mod:`vlens.runtime.hooks.batches`)."""
+    """One canonical name at one site of one request: ``batch_hooks`` run first, once per engine
+    step on the call's padded batch (the hook functions every prompt of the call shares: added
+    hooks, ``fwd_hooks``; :mod:`vlens.runtime.hooks.calls`), then the request's own ``hooks``
+    (``prompt_hooks``, steers) on its own rows; all may edit. Then, if ``keep``, the (possibly
+    edited) value is captured for the cache. Every request of a call has the same names at a
+    site, in the same order, with the same ``batch_hooks``."""
 
     name: str
     read: Reader
     arrange: str | None
     hooks: tuple[HookFunction, ...]
     keep: bool
-    shared: bool = False
+    batch_hooks: tuple[HookFunction, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -51,25 +56,29 @@ class AttentionPlan:
     """One layer's attention for one request, computed in the worker because hook functions are
     on its scores, pattern or per-head results (:mod:`vlens.runtime.attention.explicit`).
 
-    ``names`` gives each stage's canonical name, ``hooks`` the functions on it (run in forward
-    order: scores, pattern, result); ``keep`` the stages whose values, as the hooks leave them, go
-    to the cache; ``shared`` as in :class:`NamePlan`, for all of ``hooks``."""
+    ``names`` gives each stage's canonical name; ``batch_hooks`` and ``hooks`` the functions on
+    it, as in :class:`NamePlan` (stages run in forward order: scores, pattern, result); ``keep``
+    the stages whose values, as the hooks leave them, go to the cache."""
 
     attention: ExplicitAttention
     names: Mapping[AttentionStage, str]
     hooks: Mapping[AttentionStage, tuple[HookFunction, ...]]
     keep: frozenset[AttentionStage] = frozenset()
-    shared: bool = False
+    batch_hooks: Mapping[AttentionStage, tuple[HookFunction, ...]] = field(default_factory=dict)
+
+    def hooked(self, stage: AttentionStage) -> bool:
+        """Whether some hook function is on ``stage``."""
+        return bool(self.hooks.get(stage) or self.batch_hooks.get(stage))
 
     @property
     def forms_pattern(self) -> bool:
         """Whether the layer's scores and pattern are computed (hooks on either)."""
-        return bool(self.hooks.get("scores") or self.hooks.get("pattern"))
+        return self.hooked("scores") or self.hooked("pattern")
 
     @property
     def forms_results(self) -> bool:
         """Whether per-head results are computed (hooks on them)."""
-        return bool(self.hooks.get("result"))
+        return self.hooked("result")
 
 
 @dataclass(frozen=True)
@@ -91,10 +100,20 @@ class RequestPlan:
     #: whether that cache must be memory the user's process maps from a worker process
     #: (:mod:`vlens.runtime.transfer.host_blocks`) rather than the worker's own
     shared_host: bool = False
+    #: where the call's batch puts padding: after each prompt's positions or before them
+    padding_side: PaddingSide = "right"
 
     def kept_names(self) -> frozenset[str]:
         """The names read at sites that this request keeps for its cache."""
         return frozenset(name.name for names in self.sites.values() for name in names if name.keep)
+
+    @property
+    def batch_hooked(self) -> bool:
+        """Whether hook functions run on the call's batch somewhere (which needs the call's
+        prompts prefilled in one engine step)."""
+        return any(name.batch_hooks for names in self.sites.values() for name in names) or any(
+            any(layer.batch_hooks.values()) for layer in self.attention
+        )
 
 
 Span = tuple[int, int]  # (first position, length)
