@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-import vlens.hooked.model as hooked_module
+import vlens.engine.checkpoint as checkpoint_module
 from vlens.hooked.model import HookedVLLM
 from vlens.mappings import served
 from vlens.mappings._transformers import Details, layout_of, transformers_backend_mapping
@@ -109,7 +109,7 @@ def test_llama_forced_onto_the_backend_is_read_by_the_generic_mapping(monkeypatc
     compute them (vlens chooses mappings by architecture alone, hence the patch). The mapping,
     not the user, asks for the backend."""
     generic = transformers_backend_mapping("LlamaForCausalLM", details=Details(eps="rms_norm_eps"))
-    monkeypatch.setattr(hooked_module, "mapping_for", lambda config: generic)
+    monkeypatch.setattr(checkpoint_module, "mapping_for", lambda config: generic)
     path = tiny_model("llama")
     model = HookedVLLM.from_pretrained(path, dtype="float32", **KV_CACHE)
     assert str(model.engine.llm.llm_engine.model_config.model_impl) in {

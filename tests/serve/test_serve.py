@@ -339,7 +339,7 @@ def test_captures_larger_than_the_store_are_refused_and_leave_nothing(client, se
              "blocks.0.mlp.hook_post"]
     for index in range(5):
         with pytest.raises(openai.BadRequestError, match=r"more than the server's whole "
-                           r"held captures.*--capture-bytes"):
+                           r"bound for held captures.*--capture-bytes"):
             complete(client, prompt_of(20 + index, length=100), {"capture": names}, max_tokens=40)
     assert_forgotten(server)
     assert settled(server)["captures"]["bytes"] <= before["bytes"]
