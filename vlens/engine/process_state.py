@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from vlens.engine.parent_watch import WATCHED
 from vlens.runtime.transfer import host_blocks
 
 
@@ -119,10 +120,29 @@ def plugins_except(
 ) -> Iterator[None]:
     """While an engine is built (its worker processes start then and inherit the environment):
     every installed vLLM plugin but ``excluded``, unless the user chose with ``VLLM_PLUGINS``;
-    of the endpoint plugins (HTTP routes of vLLM's server), only ``endpoints``."""
-    if "VLLM_PLUGINS" in os.environ:
+    of the endpoint plugins (HTTP routes of vLLM's server), only ``endpoints``; and the engine's
+    processes leave with this one (:mod:`vlens.engine.parent_watch`)."""
+    with _owned_engine():
+        if "VLLM_PLUGINS" in os.environ:
+            yield
+            return
+        yield from _only(excluded, endpoints)
+
+
+@contextmanager
+def _owned_engine() -> Iterator[None]:
+    before = os.environ.get(WATCHED)
+    os.environ[WATCHED] = str(os.getpid())
+    try:
         yield
-        return
+    finally:
+        if before is None:
+            del os.environ[WATCHED]
+        else:
+            os.environ[WATCHED] = before
+
+
+def _only(excluded: frozenset[str], endpoints: frozenset[str]) -> Iterator[None]:
     from importlib.metadata import entry_points
 
     installed = entry_points()

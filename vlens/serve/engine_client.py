@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import itertools
+import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncGenerator, Mapping
@@ -42,6 +43,13 @@ MAX_UNCLAIMED = 4096
 
 #: Tickets kept at most: a streamed response whose body was never sent releases none.
 MAX_TICKETS = 65536
+
+#: Seconds the routes have, once the requests left in flight at shutdown are told so, to write
+#: their 503s before the engine stops.
+ANSWER_SECONDS = 2.0
+
+#: What :meth:`VlensEngineClient.until_stopped` returns where the server stopped first.
+STOPPED = object()
 
 
 @dataclass(frozen=True)
@@ -76,6 +84,56 @@ class VlensEngineClient:
         self.tickets: dict[str, Planned] = {}
         #: calls of the workers so far, by method
         self.worker_calls: Counter[str] = Counter()
+        #: HTTP requests being answered (a streamed one until its last event)
+        self.in_flight = 0
+        #: set at shutdown: new requests are refused with a 503
+        self.stopping = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Future | None = None  # done once the requests left get a 503
+
+    def enter(self) -> None:
+        """An HTTP request begins (the routes call it on the server's event loop)."""
+        if self._stop is None:
+            self._loop = asyncio.get_running_loop()
+            self._stop = self._loop.create_future()
+        self.in_flight += 1
+
+    def leave(self) -> None:
+        self.in_flight -= 1
+
+    async def until_stopped(self, awaitable: Any) -> Any:
+        """``awaitable``'s result, or :data:`STOPPED` where the server stops first (the work is
+        cancelled then: vLLM aborts its requests)."""
+        task = asyncio.ensure_future(awaitable)
+        try:
+            await asyncio.wait((task, self._stop), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not task.done():
+                task.cancel()
+        if task.done() and not task.cancelled():
+            return task.result()
+        await asyncio.gather(task, return_exceptions=True)
+        return STOPPED
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Called by vLLM's server in a thread of its own on SIGTERM or SIGINT: new requests get
+        a 503 at once, those in flight may finish for ``timeout`` seconds (``--shutdown-timeout``;
+        vLLM's default 0: none may), the rest then get a 503, and the engine stops."""
+        self.stopping = True
+        deadline = time.monotonic() + (timeout or 0.0)
+        while self.in_flight and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self._loop is not None and self._stop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(_finish, self._stop)
+            deadline = time.monotonic() + ANSWER_SECONDS
+            while (self.in_flight or self._unfinished()) and time.monotonic() < deadline:
+                time.sleep(0.02)
+        self._engine.shutdown(**({} if timeout is None else {"timeout": 0}))
+
+    def _unfinished(self) -> int:
+        """Requests vLLM's client still follows (an aborted one until its abort is through)."""
+        processor = getattr(self._engine, "output_processor", None)
+        return processor.get_num_unfinished_requests() if processor is not None else 0
 
     def admit(self, planned: Planned) -> str:
         """A ticket for ``planned``, valid until :meth:`release`: random, so that no client can
@@ -240,10 +298,11 @@ class VlensEngineClient:
         return Handback.of_ranks(await self._on_workers("finish", [tag], "cpu"))
 
     async def status(self) -> dict[str, Any]:
-        """What the server holds now: its held captures, captures whose response was never
-        written, admitted plans, and what each worker follows (all zero on an idle server, but
+        """What the server holds now: the HTTP requests it is answering, its held captures,
+        captures whose response was never written, admitted plans, and what each worker follows (all zero on an idle server, but
         the unfetched ones); and how many times it called the workers, by method."""
         return {
+            "in_flight": self.in_flight,
             "captures": self.captures.status(),
             "unclaimed_captures": len(self.captured),
             "tickets": len(self.tickets),
@@ -257,6 +316,11 @@ class VlensEngineClient:
         self.worker_calls[method] += 1
         with WorkerCall(method, args) as call:
             return call.results(await self._engine.collective_rpc("vlens_call", args=call.arguments))
+
+
+def _finish(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 def sample_key(request_id: str, index: int, count: int) -> str:

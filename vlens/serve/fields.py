@@ -27,6 +27,14 @@ STEER_KEYS = frozenset({"name", "add", "scale", "ablate", "gain", "positions"})
 SAE_STEER_KEYS = frozenset({"sae", "features", "clamp", "scale", "add", "positions"})
 
 
+FLOAT32_MAX = torch.finfo(torch.float32).max
+
+#: The largest magnitude a steer may give an activation, whatever the dtype: beyond it the
+#: sum of squares in the next norm overflows float32 (2**64 per element, times widths of up to
+#: 2**20) and the request would finish with NaN logits, that is, garbage tokens.
+ACTIVATION_BOUND = 2.0**32
+
+
 class BadVlensField(ValueError):
     """A request's ``vlens`` object cannot be served as given (answered with HTTP 400)."""
 
@@ -143,7 +151,46 @@ def _vector(value: Any, where: str, vectors: Mapping[str, Tensor]) -> Tensor | N
         vector = _array_vector(value, where)
     if not bool(torch.isfinite(vector).all()):
         raise BadVlensField(f"{where} holds a non-finite value (NaN or infinity)")
+    largest = _largest(vector)
+    if largest > FLOAT32_MAX:  # the model's own dtype is checked once the steer is whole
+        raise BadVlensField(f"{where} holds {largest:.3g}, beyond float32 (largest magnitude "
+                            f"{FLOAT32_MAX:.3g}), the type vectors travel in")
     return vector.to(torch.float32)
+
+
+def check_range(steering: tuple[AnySteer, ...], dtype: torch.dtype) -> None:
+    """Refuse a steer whose values, as applied (``add`` times ``scale``, ``gain``, an SAE
+    steer's numbers), overflow the model's ``dtype`` or :data:`ACTIVATION_BOUND`: vLLM would
+    turn them into infinities and the request into garbage tokens."""
+    limit = min(torch.finfo(dtype).max, ACTIVATION_BOUND)
+    for index, steer in enumerate(steering):
+        where = f"vlens.steering[{index}]"
+        if isinstance(steer, Steer):
+            values = {
+                "add × scale": _largest(steer.add) * abs(steer.scale),
+                "gain": _largest(steer.gain),
+                "ablate": _largest(steer.ablate),
+            }
+        else:
+            values = {key: _largest(getattr(steer, key)) for key in ("clamp", "scale", "add")}
+        for field, largest in values.items():
+            if not largest <= limit:  # also NaN: 0 × inf
+                raise BadVlensField(
+                    f"{where}.{field} reaches {largest:.3g}, beyond what the model computes "
+                    f"in {dtype} without overflowing (magnitudes up to {limit:.3g}); steer "
+                    f"with smaller values"
+                )
+
+
+def _largest(value: Tensor | float | list[float] | None) -> float:
+    """The largest magnitude in a steer's value, in float64 (0 when absent)."""
+    if value is None:
+        return 0.0
+    if isinstance(value, Tensor):
+        return float(value.detach().to(torch.float64).abs().max()) if value.numel() else 0.0
+    if isinstance(value, (list, tuple)):
+        return max((abs(float(v)) for v in value), default=0.0)
+    return abs(float(value))
 
 
 def _array_vector(value: Any, where: str) -> Tensor:

@@ -23,7 +23,7 @@ from vlens.engine.engine import Run
 from vlens.engine.planning import CallPlan
 from vlens.runtime.compiled.inline import carried, encode
 from vlens.runtime.transfer.messages import Handback, HookError, RequestPlan
-from vlens.serve.fields import BadVlensField, VlensFields
+from vlens.serve.fields import BadVlensField, VlensFields, check_range
 
 
 @dataclass(frozen=True)
@@ -63,9 +63,11 @@ class ServedModel:
             path, engine_args or {}, compiled_capture, compiled_steering, (), dict(saes or {}),
             sae_slots, sae_top_k,
         )
+        self.dtype = served_dtype(engine_args or {}, self.checkpoint.hf_config)
 
     def plan(self, fields: VlensFields) -> Planned:
         """The request's plan; whatever this engine cannot serve raises :class:`BadVlensField`."""
+        check_range(fields.steering, self.dtype)
         try:
             call = self.checkpoint.planner.call(1, list(fields.capture), steering=fields.steering)
         except (KeyError, ValueError, TypeError, NotImplementedError) as error:
@@ -88,3 +90,18 @@ class ServedModel:
         run = Run([capture], handback.padded, [sampled], [None])
         assembled = assemble(self.checkpoint, planned.call, run, [prompt], True, torch.device("cpu"))
         return {name: assembled.cached[name][0].contiguous() for name in planned.names}
+
+
+def served_dtype(engine_args: dict[str, Any], config: Any) -> torch.dtype:
+    """The dtype the engine computes in: ``--dtype``, else the checkpoint's own (float32 where
+    it names none)."""
+    named = engine_args.get("dtype", "auto")
+    if isinstance(named, torch.dtype):
+        return named
+    if named in (None, "auto"):
+        named = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32"
+    if isinstance(named, torch.dtype):
+        return named
+    aliases = {"half": "float16", "float": "float32", "bfloat": "bfloat16"}
+    dtype = getattr(torch, aliases.get(str(named), str(named)), None)
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32

@@ -29,7 +29,7 @@ from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 from vlens.runtime.compiled.inline import INLINE_KEY
 from vlens.runtime.transfer.messages import TAG_KEY
 from vlens.serve.body import VlensRoute, vlens_field
-from vlens.serve.engine_client import FIELDS_KEY, VlensEngineClient, sample_key
+from vlens.serve.engine_client import FIELDS_KEY, STOPPED, VlensEngineClient, sample_key
 from vlens.serve.fields import BadVlensField, read_fields
 
 Endpoint = Callable[..., Awaitable[Any]]
@@ -49,6 +49,9 @@ COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 ACTIVATIONS = "/v1/activations/{activation_id}"
 STATUS = "/v1/vlens/status"
+
+SHUTTING_DOWN = ("the server is shutting down: this request was not finished (vlens serve "
+                 "--shutdown-timeout SECONDS lets requests in flight finish first)")
 
 
 class VlensRoutes:
@@ -109,7 +112,27 @@ async def status() -> Response:
 
 
 async def _with_vlens_fields(path: str, request: Any, raw_request: Request) -> Response:
+    """Every completion request, counted in flight until its response (a stream: its last
+    event) is written, and answered with a 503 once the server is shutting down."""
     client = _client()
+    if client.stopping:
+        return _shutting_down()
+    client.enter()
+    try:
+        response = await _answer(path, request, raw_request, client)
+    except BaseException:
+        client.leave()
+        raise
+    if isinstance(response, StreamingResponse):
+        response.body_iterator = _until_stopped(response.body_iterator, client)
+    else:
+        client.leave()
+    return response
+
+
+async def _answer(
+    path: str, request: Any, raw_request: Request, client: VlensEngineClient
+) -> Response | None:
     reserved = sorted({TAG_KEY, FIELDS_KEY, INLINE_KEY} & set(request.vllm_xargs or {}))
     if reserved:  # a request must not pose as another one's rows
         message = f"vllm_xargs: {reserved} are reserved by vlens; use the vlens field"
@@ -117,7 +140,7 @@ async def _with_vlens_fields(path: str, request: Any, raw_request: Request) -> R
     value = with_steered_model(vlens_field(raw_request), client.steered_models.get(request.model))
     original = SERVING.originals[path]
     if value is None:
-        return await original(request=request, raw_request=raw_request)
+        return await _vllm_answer(original, request, raw_request, client)
     try:
         fields = read_fields(value, client.vectors)
         planned = client.served.plan(fields)
@@ -127,7 +150,7 @@ async def _with_vlens_fields(path: str, request: Any, raw_request: Request) -> R
     ticket = client.admit(planned)
     request.vllm_xargs = {**(request.vllm_xargs or {}), FIELDS_KEY: ticket}
     try:
-        response = await original(request=request, raw_request=raw_request)
+        response = await _vllm_answer(original, request, raw_request, client)
     except BaseException:
         client.release(ticket)
         raise
@@ -138,7 +161,10 @@ async def _with_vlens_fields(path: str, request: Any, raw_request: Request) -> R
         response.body_iterator = _released_after(body, client, ticket)
         return response
     client.release(ticket)
-    if not fields.capture or response.status_code != 200 or not isinstance(response, JSONResponse):
+    if (  # None: the client went away (vLLM's handler answers nothing then)
+        response is None or not fields.capture or response.status_code != 200
+        or not isinstance(response, JSONResponse)
+    ):
         return response
     body = json.loads(response.body)
     for choice in body.get("choices", []):
@@ -149,6 +175,35 @@ async def _with_vlens_fields(path: str, request: Any, raw_request: Request) -> R
         body["vlens"] = body["choices"][0]["vlens"]
     headers = {k: v for k, v in response.headers.items() if k.lower() != "content-length"}
     return JSONResponse(body, status_code=response.status_code, headers=headers)
+
+
+async def _vllm_answer(
+    original: Endpoint, request: Any, raw_request: Request, client: VlensEngineClient
+) -> Response | None:
+    """vLLM's handler's response, or a 503 where the server stops first."""
+    response = await client.until_stopped(original(request=request, raw_request=raw_request))
+    return _shutting_down() if response is STOPPED else response
+
+
+async def _until_stopped(
+    chunks: AsyncIterator[str | bytes], client: VlensEngineClient
+) -> AsyncIterator[str | bytes]:
+    """A streamed response's events, ended with an error event where the server stops first;
+    the request leaves those in flight when they end."""
+    iterator = aiter(chunks)
+    try:
+        while True:
+            try:
+                chunk = await client.until_stopped(anext(iterator))
+            except StopAsyncIteration:
+                return
+            if chunk is STOPPED:
+                yield f"data: {json.dumps(_error_body(503, SHUTTING_DOWN, 'server'))}\n\n"
+                yield "data: [DONE]\n\n"
+                return
+            yield chunk
+    finally:
+        client.leave()
 
 
 async def _released_after(
@@ -237,8 +292,13 @@ def _client() -> VlensEngineClient:
 
 
 def _error(status: int, message: str, param: str) -> JSONResponse:
-    kind = "BadRequestError" if status == 400 else "NotFoundError"
-    return JSONResponse(
-        {"error": {"message": message, "type": kind, "param": param, "code": status}},
-        status_code=status,
-    )
+    return JSONResponse(_error_body(status, message, param), status_code=status)
+
+
+def _error_body(status: int, message: str, param: str) -> dict[str, Any]:
+    kinds = {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError"}
+    return {"error": {"message": message, "type": kinds[status], "param": param, "code": status}}
+
+
+def _shutting_down() -> JSONResponse:
+    return _error(503, SHUTTING_DOWN, "server")
