@@ -1,8 +1,20 @@
 #!/usr/bin/env bash
 # Installs vlens and what it needs into ./.venv on a fresh CPU machine (Linux x86_64, Python 3.10+).
 # GPU machines: see README.md, "Install".
+#   bash install.sh saelens   # then ./.venv-saelens: the same beside SAELens 6.54 (TransformerLens 3)
 set -euo pipefail
 cd "$(dirname "$0")"
+if [ "${1:-}" = "saelens" ]; then
+  # SAELens pins transformer-lens<4; vlens runs on TransformerLens 3.9+ and 4. A copy of .venv with
+  # SAELens added (pip moves TransformerLens to the 3.x line SAELens accepts).
+  [ -d .venv ] || bash install.sh
+  rm -rf .venv-saelens
+  cp -a .venv .venv-saelens
+  .venv-saelens/bin/python -m pip install -q "sae-lens==6.54.12"
+  .venv-saelens/bin/python -m pip install -q --no-deps -e .
+  echo "vlens installed beside SAELens in $(pwd)/.venv-saelens"
+  exit 0
+fi
 python3 -m venv .venv
 . .venv/bin/activate
 pip install -q --upgrade pip

@@ -167,6 +167,14 @@ def _name(bridge: Any) -> str | None:
 def adapter_components(config: PretrainedConfig) -> dict[str, Any]:
     """TransformerLens's ``component_mapping`` for ``config``'s architecture (its bridges, each
     with the HuggingFace module ``name`` it wraps and its ``submodules``)."""
+    from vlens.names.tl_versions import HAS_BRIDGE
+
+    if not HAS_BRIDGE:
+        raise NotImplementedError(
+            f"{architecture_of(config)} runs on vLLM's Transformers backend, whose hook names "
+            f"vlens reads from TransformerLens 4's adapters; this environment has TransformerLens "
+            f"3 (as SAELens pins): install transformer-lens>=4.3 in an environment of its own"
+        )
     from transformer_lens.factories.architecture_adapter_factory import (
         ArchitectureAdapterFactory,
     )

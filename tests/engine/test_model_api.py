@@ -206,3 +206,15 @@ def test_a_name_filter_passes_over_names_that_cannot_carry_hooks(models):
     assert "sampler.hook_tokens" not in seen
     with pytest.raises(ValueError, match="sampler.hook_tokens cannot carry a hook"):
         model.run_with_hooks(TEXT, fwd_hooks=[(lambda name: name == "sampler.hook_tokens", print)])
+
+
+def test_a_filter_that_accepts_no_name_adds_nothing_and_says_so(models):
+    """TransformerLens adds no hook where its filter accepts no hook point; vlens does the same
+    and warns with the filter's name; a name or pattern that matches nothing stays an error."""
+    model, _ = models
+    nowhere = lambda name: name.endswith("hook_nowhere")  # noqa: E731
+    with pytest.warns(UserWarning, match="accepts none"):
+        model.add_hook(nowhere, lambda x, hook: x * 0)
+    assert not model.registry.added
+    with pytest.raises(KeyError):
+        model.add_hook("blocks.0.hook_nowhere", print)

@@ -281,3 +281,63 @@ def test_random_hook_z_sae(tmp_path: Path) -> None:
     assert stages["hook_sae_input"].shape == (3, 5, 64)
     assert stages["hook_sae_acts_post"].shape == (3, 5, 96)
     assert stages["hook_sae_output"].shape == x.shape
+
+
+def test_metadata_reads_as_saelens_reads_it(tmp_path: Path) -> None:
+    """``cfg.metadata.hook_name`` and ``cfg.metadata["hook_name"]`` alike, None for a key the
+    file lacks, ``in`` and ``get`` seeing only those it has (SAELens's ``SAEMetadata``)."""
+    sae = SAE.load_from_disk(random_sae(tmp_path / "sae", hook_name="blocks.1.hook_resid_pre"))
+    metadata = sae.cfg.metadata
+    assert metadata.hook_name == metadata["hook_name"] == "blocks.1.hook_resid_pre"
+    assert metadata.no_such_key is None and metadata["no_such_key"] is None
+    assert "hook_name" in metadata and "no_such_key" not in metadata
+    assert metadata.get("no_such_key", 3) == 3
+    assert metadata.to_dict()["hook_name"] == "blocks.1.hook_resid_pre"
+    by_hand = SAEConfig("standard", 4, 8, metadata={"hook_name": "x"})
+    assert by_hand.metadata.hook_name == "x"
+
+
+class _SAELensLike(torch.nn.Module):
+    """SAELens 6's public surface of an SAE, as ``SAE.of`` reads it."""
+
+    def __init__(self, sae: SAE) -> None:
+        super().__init__()
+        raw = {"architecture": sae.cfg.architecture, "d_in": sae.cfg.d_in, "d_sae": sae.cfg.d_sae,
+               "dtype": "float32", "device": "cpu", "apply_b_dec_to_input": True,
+               "normalize_activations": "none", "reshape_activations": "none",
+               "metadata": {"hook_name": sae.cfg.hook_name, "sae_lens_version": "6.54.12"}}
+        self.cfg = type("Cfg", (), {"to_dict": lambda _: raw})()
+        self.use_error_term = True
+        for name, value in sae.named_parameters():
+            self.register_parameter(name, torch.nn.Parameter(value.detach().clone()))
+
+
+def test_an_saelens_sae_is_taken_as_it_is(tmp_path: Path) -> None:
+    """``SAE.of`` reads SAELens's object through its config and parameters: the same numbers,
+    the same tensors (shared), its ``use_error_term``; what is not an SAE is refused."""
+    ours = SAE.load_from_disk(random_sae(tmp_path / "sae", "jumprelu", d_in=16, d_sae=32))
+    theirs = _SAELensLike(ours)
+    taken = SAE.of(theirs)
+    assert taken.use_error_term and taken.cfg.architecture == "jumprelu"
+    assert taken.W_enc.data_ptr() == theirs.W_enc.data_ptr()
+    x = torch.randn(5, 16, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(taken.encode(x), ours.encode(x), rtol=0, atol=0)
+    assert SAE.of(ours) is ours
+    with pytest.raises(TypeError, match="SAE.load_from_disk"):
+        SAE.of(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("architecture", ["standard", "jumprelu"])
+def test_folding_the_decoder_norm_keeps_the_output(tmp_path: Path, architecture: str) -> None:
+    sae = SAE.load_from_disk(random_sae(tmp_path / "sae", architecture, d_in=16, d_sae=32))
+    x = torch.randn(5, 16, generator=torch.Generator().manual_seed(1))
+    before = sae(x)
+    sae.fold_W_dec_norm()
+    torch.testing.assert_close(sae.W_dec.norm(dim=-1), torch.ones(32))
+    torch.testing.assert_close(sae(x), before, rtol=1e-5, atol=1e-5)
+
+
+def test_folding_a_topk_sae_is_refused(tmp_path: Path) -> None:
+    sae = SAE.load_from_disk(random_sae(tmp_path / "sae", "topk", d_in=16, d_sae=32, k=4))
+    with pytest.raises(NotImplementedError, match="which features"):
+        sae.fold_W_dec_norm()

@@ -10,10 +10,10 @@ import torch
 from jaxtyping import Bool, Int
 from torch import Tensor
 from transformer_lens.ActivationCache import ActivationCache
-from transformer_lens.utilities import Slice, SliceInput
 
 from vlens.engine.assembly import Assembled, LazyValues, padding_mask
 from vlens.names.resolve import UnknownHookName, canonical, short_form
+from vlens.names.tl_versions import Slice, SliceInput
 from vlens.runtime.transfer.messages import PaddingSide
 
 

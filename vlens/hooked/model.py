@@ -10,7 +10,6 @@ from typing import Any, Literal, NoReturn
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
-from transformer_lens.utilities import lm_cross_entropy_loss
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from vlens.engine.arguments import model_impl_args
@@ -32,6 +31,7 @@ from vlens.names.compiled import LOGITS
 from vlens.names.raw import RawLocations, SourceListing
 from vlens.names.resolve import NamesFilter
 from vlens.names.rules import NameOrFilter
+from vlens.names.tl_versions import lm_cross_entropy_loss
 from vlens.runtime.transfer.messages import HookFunction
 from vlens.runtime.vocabulary.steering import AnySteer
 from vlens.sae.autoencoder import SAE

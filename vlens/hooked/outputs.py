@@ -7,7 +7,8 @@ from typing import Literal
 
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
-from transformer_lens.utilities import lm_cross_entropy_loss
+
+from vlens.names.tl_versions import lm_cross_entropy_loss
 
 ReturnType = Literal["logits", "loss", "both"] | None
 RETURN_TYPES: tuple[ReturnType, ...] = ("logits", "loss", "both", None)

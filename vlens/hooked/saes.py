@@ -21,6 +21,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from torch import nn
+
 from vlens.engine.checkpoint import Checkpoint
 from vlens.engine.engine import Engine
 from vlens.hooked.hook_registry import HookRegistry
@@ -76,11 +78,7 @@ class SAEMethods:
     ) -> None:
         """Splice ``sae`` in at its ``hook_name`` for every later call, replacing an SAE already
         there; ``use_error_term`` None keeps the SAE's own setting."""
-        if not isinstance(sae, SAE):
-            raise TypeError(
-                f"add_sae takes a vlens.sae.SAE (SAE.load_from_disk(folder) reads a folder "
-                f"SAELens saved), got {type(sae).__name__}"
-            )
+        sae = SAE.of(sae)  # SAELens's own SAE objects are taken as they are
         if exclude_special_tokens:
             raise NotImplementedError(
                 "exclude_special_tokens: vlens splices the SAE in at every position; leave it "
@@ -121,7 +119,8 @@ class SAEMethods:
         ``reset_saes_end``) they are taken out and the SAEs they replaced put back."""
         replaced: list[tuple[str, Attached | None]] = []
         try:
-            for sae in [saes] if isinstance(saes, SAE) else saes:
+            for sae in [saes] if isinstance(saes, nn.Module) else saes:
+                sae = SAE.of(sae)
                 name = self._sae_name(sae)
                 replaced.append((name, self._saes().get(name)))
                 self.add_sae(sae, use_error_term, exclude_special_tokens)

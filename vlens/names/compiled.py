@@ -278,11 +278,13 @@ def declare_saes(
                              f"without ':')")
         if isinstance(sae, (str, Path)):
             sae = SAE.load_from_disk(sae)
-        if not isinstance(sae, SAE):
+        try:
+            sae = SAE.of(sae)
+        except TypeError:
             raise TypeError(
-                f"compiled_saes[{name!r}] is a {type(sae).__name__}: give a vlens.sae.SAE or "
-                f"the folder SAELens saved it in"
-            )
+                f"compiled_saes[{name!r}] is a {type(sae).__name__}: give an SAE (vlens's or "
+                f"SAELens's) or the folder SAELens saved it in"
+            ) from None
         if top_k is not None and not 1 <= top_k <= sae.cfg.d_sae:
             raise ValueError(f"compiled_sae_top_k={top_k}: between 1 and the SAE's d_sae "
                              f"({sae.cfg.d_sae})")

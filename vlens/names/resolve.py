@@ -14,13 +14,21 @@ import fnmatch
 import re
 from collections.abc import Callable, Collection, Iterable, Sequence
 
-from transformer_lens.utilities import get_act_name
+from vlens.names.tl_versions import HAS_BRIDGE, get_act_name
 
 
 def _synonyms() -> list[tuple[str, str]]:
     """Pairs of spellings of one hook (``{layer}`` for a block's index): TransformerLens 4's
     ``TransformerBridge`` declares each component's HookedTransformer names beside its own
-    (``attn.hook_z`` = ``attn.o.hook_in``)."""
+    (``attn.hook_z`` = ``attn.o.hook_in``); TransformerLens 3 has no bridge, and its users
+    none of its names."""
+    extra = [
+        ("blocks.{layer}.ln1.hook_in", "blocks.{layer}.hook_resid_pre"),
+        ("hook_logits", "unembed.hook_out"),
+        ("logits", "unembed.hook_out"),
+    ]
+    if not HAS_BRIDGE:
+        return extra
     from transformer_lens.model_bridge.bridge_core import BridgeCore
     from transformer_lens.model_bridge.generalized_components.attention import AttentionBridge
     from transformer_lens.model_bridge.generalized_components.block import BlockBridge
@@ -40,11 +48,7 @@ def _synonyms() -> list[tuple[str, str]]:
         for name, others in table.items()
         for other in ([others] if isinstance(others, str) else others)
     ]
-    return pairs + [
-        ("blocks.{layer}.ln1.hook_in", "blocks.{layer}.hook_resid_pre"),
-        ("hook_logits", "unembed.hook_out"),
-        ("logits", "unembed.hook_out"),
-    ]
+    return pairs + extra
 
 
 def _pattern(template: str) -> re.Pattern[str]:

@@ -13,6 +13,7 @@ mapping lets the worker form them for real (attention scores, patterns and per-h
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -56,8 +57,15 @@ class NameRules:
         hook function on some engine of this model (:meth:`check_hook_functions` says whether on
         this one). A name that cannot is refused; a pattern or a filter, as TransformerLens's
         filters over its hook points, passes over such names."""
-        chosen = select(name_or_filter, list(self.specs), self.explain,
-                        label="the hook's name filter")
+        if callable(name_or_filter):  # TransformerLens adds nothing where its filter accepts none
+            chosen = [name for name in self.specs if name_or_filter(name)]
+            if not chosen:
+                warnings.warn(f"the hook's name filter {_label(name_or_filter)} accepts none of "
+                              f"this model's hook names; no hook added", stacklevel=4)
+                return []
+        else:
+            chosen = select(name_or_filter, list(self.specs), self.explain,
+                            label="the hook's name filter")
         refusals = {name: self._hook_refusal(name) for name in chosen}
         named = isinstance(name_or_filter, str) and not is_pattern(name_or_filter)
         names = [name for name in chosen if refusals[name] is None]
@@ -165,3 +173,7 @@ class NameRules:
                 f"{name}: raw locations are not yet available under tensor parallelism (each "
                 f"rank holds its own slice of many modules' values); use canonical names"
             )
+
+
+def _label(function: Callable[[str], bool]) -> str:
+    return getattr(function, "__qualname__", None) or repr(function)

@@ -25,7 +25,8 @@ from transformer_lens.patching import (
     layer_pos_patch_setter,
     make_df_from_ranges,
 )
-from transformer_lens.utilities import get_act_name
+
+from vlens.names.tl_versions import get_act_name
 
 #: TransformerLens's setters: each writes the same cells of every prompt of the batch, so one
 #: prompt's ``[1, ...]`` activations give the same rows as the whole batch's.

@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from jaxtyping import Float
@@ -125,6 +126,48 @@ class SAE(nn.Module):
             name = dtype if isinstance(dtype, str) else _dtype_name(dtype)
             cfg = replace(cfg, dtype=name.removeprefix("torch."))
         return cls(cfg, read_weights(folder, cfg, device)).eval()
+
+    @classmethod
+    def of(cls, sae: Any) -> SAE:
+        """``sae`` as vlens's SAE: itself, or a SAELens 6 ``SAE`` read through its public
+        surface (``cfg.to_dict()``, its parameters, ``use_error_term``), its tensors shared,
+        not copied. Architectures vlens does not run (transcoders among them) are refused
+        with the reason."""
+        if isinstance(sae, SAE):
+            return sae
+        to_dict = getattr(getattr(sae, "cfg", None), "to_dict", None)
+        if not isinstance(sae, nn.Module) or to_dict is None:
+            raise TypeError(
+                f"expected an SAE (vlens's, or SAELens's), got {type(sae).__name__}; "
+                f"SAE.load_from_disk(folder) reads a folder SAELens saved"
+            )
+        raw = dict(to_dict())
+        metadata = raw.get("metadata") or {}
+        metadata = dict(metadata.to_dict() if hasattr(metadata, "to_dict") else metadata)
+        metadata.setdefault("sae_lens_version", "6")  # a SAELens 6 object, whatever it records
+        raw["metadata"] = metadata
+        cfg = SAEConfig.from_dict(raw)
+        tensors = {name: value.detach() for name, value in sae.state_dict().items()}
+        return cls(cfg, tensors, bool(getattr(sae, "use_error_term", False))).eval()
+
+    def fold_W_dec_norm(self) -> None:
+        """Scale each feature so that its decoder row has unit norm, the SAE's output unchanged
+        (SAELens's method of the same name): the encoder's column, bias and threshold grow by
+        the norm the decoder row loses."""
+        if self.cfg.architecture not in ("standard", "jumprelu"):
+            raise NotImplementedError(
+                f"fold_W_dec_norm of a {self.cfg.architecture} SAE: folding changes which "
+                f"features a {self.cfg.architecture} SAE keeps; vlens folds standard and "
+                f"jumprelu SAEs"
+            )
+        with torch.no_grad():
+            norms = self.W_dec.norm(dim=-1)
+            self.W_dec.div_(norms[:, None])
+            self.W_enc.mul_(norms)
+            for name in ("b_enc", "threshold"):
+                value = getattr(self, name)
+                if value is not None:
+                    value.mul_(norms)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -49,6 +49,50 @@ _FOLDER_HELP = (
 )
 
 
+class Metadata(Mapping[str, Any]):
+    """What an SAE's file records about training and the model, read as SAELens's
+    ``SAEMetadata`` reads: ``cfg.metadata.hook_name`` and ``cfg.metadata["hook_name"]`` alike,
+    None for a key the file does not have (``in``, ``keys()`` and ``get`` see only those it
+    has)."""
+
+    def __init__(self, values: Mapping[str, Any] | None = None) -> None:
+        object.__setattr__(self, "_values", dict(values or {}))
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return self._values.get(name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("an SAE's metadata is read-only")
+
+    def __getitem__(self, key: str) -> Any:
+        return self._values.get(key)
+
+    def __iter__(self):
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._values
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self._values.get(key, default)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self._values)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Mapping) and self._values == dict(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"Metadata({self._values!r})"
+
+
 class SAEFormatError(ValueError):
     """A folder or a config that is not an SAE in SAELens's format, or one vlens cannot run."""
 
@@ -59,7 +103,7 @@ class SAEConfig:
 
     ``hook_name`` is the TransformerLens name of the activation the SAE was trained on (None
     when the file does not say); ``metadata`` keeps everything else the file records about
-    training, unread.
+    training, unread, read as SAELens's ``cfg.metadata`` is (:class:`Metadata`).
     """
 
     architecture: str
@@ -74,9 +118,11 @@ class SAEConfig:
     k: int | None = None
     rescale_acts_by_decoder_norm: bool = False
     model_name: str | None = None
-    metadata: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    metadata: Metadata = field(default_factory=Metadata, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.metadata, Metadata):  # a dict given by hand
+            object.__setattr__(self, "metadata", Metadata(self.metadata))
         if self.architecture not in ARCHITECTURES:
             raise SAEFormatError(
                 f"architecture {self.architecture!r} is not supported; vlens runs SAELens's "
@@ -142,7 +188,7 @@ class SAEConfig:
             k=cfg.get("k") if architecture == "topk" else None,
             rescale_acts_by_decoder_norm=bool(cfg.get("rescale_acts_by_decoder_norm", False)),
             model_name=about_model("model_name"),
-            metadata=metadata,
+            metadata=Metadata(metadata),
         )
 
     @classmethod

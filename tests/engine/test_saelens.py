@@ -1,0 +1,67 @@
+"""vlens in SAELens's own environment (TransformerLens 3, SAELens 6): SAELens imports beside
+vlens, and SAELens's SAE objects are spliced in as they are, computing what SAELens computes.
+Runs where SAELens is installed (CI's second environment, ``install.sh saelens``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+sae_lens = pytest.importorskip("sae_lens")
+
+from vlens.names.tl_versions import MAJOR  # noqa: E402
+
+TEXTS = ["The cat sat on the mat", "Hello world"]
+NAME = "blocks.0.hook_resid_post"
+#: fp32 on the CPU: SAELens's torch against vLLM's kernels upstream of the SAE
+RTOL = 1e-5
+
+
+def saelens_sae(architecture: str, d_in: int) -> torch.nn.Module:
+    """A seeded random SAE built by SAELens itself, reading ``NAME``."""
+    from sae_lens import SAE
+    from sae_lens.saes import GatedSAEConfig, JumpReLUSAEConfig, StandardSAEConfig, TopKSAEConfig
+
+    configs = {"standard": StandardSAEConfig, "jumprelu": JumpReLUSAEConfig,
+               "topk": TopKSAEConfig, "gated": GatedSAEConfig}
+    extra = {"k": 6} if architecture == "topk" else {}
+    cfg = configs[architecture](d_in=d_in, d_sae=40, **extra)
+    cfg.metadata.hook_name = NAME
+    sae = SAE.from_dict(cfg.to_dict())
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for parameter in sae.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
+        if architecture == "jumprelu":
+            sae.threshold.abs_()
+    return sae
+
+
+def test_saelens_runs_beside_vlens_on_transformer_lens_3():
+    import transformer_lens
+
+    assert MAJOR == 3
+    assert hasattr(transformer_lens, "HookedTransformer")  # what SAELens imports
+    assert sae_lens.HookedSAETransformer is not None
+
+
+@pytest.mark.parametrize("architecture", ["standard", "jumprelu", "topk", "gated"])
+def test_an_saelens_sae_is_spliced_in_as_it_is(hooked, architecture):
+    model = hooked("gpt2")
+    _, clean = model.run_with_cache(TEXTS, names_filter=[NAME])
+    sae = saelens_sae(architecture, model.cfg.d_model)
+    _, cache = model.run_with_cache_with_saes(TEXTS, saes=[sae])
+    mask = cache.attention_mask.bool()
+    with torch.no_grad():
+        expected = {"hook_sae_acts_post": sae.encode(clean[NAME]),
+                    "hook_sae_recons": sae.decode(sae.encode(clean[NAME]))}
+    for stage, value in expected.items():
+        ours, theirs = cache[f"{NAME}.{stage}"][mask], value[mask]
+        scale = theirs.abs().max().clamp_min(1e-6)
+        assert ((ours - theirs).abs().max() / scale).item() <= RTOL, stage
+    assert model.acts_to_saes == {}
+    model.add_sae(sae)
+    try:
+        assert model.acts_to_saes[NAME].cfg.metadata.hook_name == NAME
+    finally:
+        model.reset_saes()
