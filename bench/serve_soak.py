@@ -36,7 +36,7 @@ import openai
 import torch
 from safetensors.torch import load, save_file
 
-from vlens.serve.process import free_port, server_process
+from vlens.serve.process import free_port, server_process, status
 from vlens.testing.tiny import tiny_model
 
 KEY = "soak"
@@ -189,12 +189,6 @@ class Soak:
             self.count(action.__name__, outcome)
 
 
-def status(base: str) -> dict:
-    request = urllib.request.Request(f"{base}/vlens/status", headers={"Authorization": f"Bearer {KEY}"})
-    with urllib.request.urlopen(request, timeout=60) as response:
-        return json.loads(response.read())
-
-
 def resident_bytes(root: int) -> int:
     """The resident memory of process ``root`` and all its descendants."""
     return sum(resident_by_process(root).values())
@@ -268,7 +262,7 @@ def main() -> None:
         for thread in threads:
             thread.join()
         time.sleep(5)  # the last aborted requests' clean-up
-        idle = status(base)
+        idle = status(base, KEY)
         processes_end = resident_by_process(server_pid)
         memory_end = sum(processes_end.values())
         still = soak.reference_again(random.Random(0))

@@ -26,7 +26,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from vlens.serve.process import free_port, server_process
+from vlens.serve.process import free_port, server_process, settled, status
 from vlens.testing.tiny import tiny_model
 
 KEY = "hostile"
@@ -74,26 +74,8 @@ def steer(**entry: object) -> dict:
     return {"steering": [{"name": STEERED, **entry}]}
 
 
-def status(base: str) -> dict:
-    request = urllib.request.Request(f"{base}/vlens/status", headers=HEADERS)
-    with urllib.request.urlopen(request, timeout=60) as response:
-        return json.loads(response.read())
-
-
-def settled(base: str, timeout: float = 30.0) -> dict:
-    """The server's status once it follows no request, holds no plan and no unclaimed capture."""
-    deadline = time.monotonic() + timeout
-    while True:
-        now = status(base)
-        idle = all(not any(counts.values()) for counts in now["workers"])
-        if (idle and not now["tickets"] and not now["unclaimed_captures"]) or (
-            time.monotonic() > deadline
-        ):
-            return now
-
-
 def assert_forgotten(base: str) -> None:
-    now = settled(base)
+    now = settled(base, KEY)
     assert all(not any(counts.values()) for counts in now["workers"]), now
     assert now["tickets"] == 0 and now["unclaimed_captures"] == 0, now
 
@@ -239,7 +221,7 @@ def test_a_short_mixed_load_is_answered_as_each_request_deserves(served):
     unexpected = [outcome for outcome in outcomes if outcome not in expected]
     assert len(outcomes) > 50 and not unexpected, (len(outcomes), unexpected[:20])
     assert_forgotten(base)
-    assert status(base)["captures"]["bytes"] <= 1 << 20
+    assert status(base, KEY)["captures"]["bytes"] <= 1 << 20
 
 
 def family(root: int) -> set[int]:
@@ -326,8 +308,8 @@ def test_sigterm_answers_every_request_in_flight_then_everything_exits(
             answers = [pool.submit(post, base, request, 60.0, pooled) for request in requests]
             streams = [pool.submit(stream) for _ in range(2)]
             deadline = time.monotonic() + 60
-            while status(base)["in_flight"] < len(requests) + 2:  # all of them running
-                assert time.monotonic() < deadline, status(base)
+            while status(base, KEY)["in_flight"] < len(requests) + 2:  # all of them running
+                assert time.monotonic() < deadline, status(base, KEY)
                 time.sleep(0.05)
             signalled = time.monotonic()
             os.kill(pids[0], signal.SIGTERM)

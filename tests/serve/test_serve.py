@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -20,7 +19,7 @@ from safetensors.torch import load, save_file
 
 from vlens import Steer
 from vlens.sae import SAE
-from vlens.serve.process import free_port, server_process
+from vlens.serve.process import free_port, server_process, settled
 from vlens.testing.saes import random_sae
 from vlens.testing.tiny import tiny_model
 
@@ -273,26 +272,8 @@ def test_the_activation_store_stays_within_its_bound(client, server, hooked):
     assert 30_000 < len(fetch(server, ids[-1])) <= CAPTURE_BYTES
 
 
-def status(server: str) -> dict:
-    request = urllib.request.Request(
-        f"{server}/vlens/status", headers={"Authorization": f"Bearer {KEY}"}
-    )
-    with urllib.request.urlopen(request) as response:
-        return json.loads(response.read())
-
-
-def settled(server: str, timeout: float = 30.0) -> dict:
-    """The server's status once no request is in flight (every worker follows none)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        now = status(server)
-        idle = all(not any(counts.values()) for counts in now["workers"])
-        if (idle and not now["tickets"]) or time.monotonic() > deadline:
-            return now
-
-
 def assert_forgotten(server: str) -> None:
-    now = settled(server)
+    now = settled(server, KEY)
     assert all(not any(counts.values()) for counts in now["workers"]), now
     assert now["tickets"] == 0, now
     assert now["captures"]["bytes"] <= now["captures"]["max_bytes"], now
@@ -334,7 +315,7 @@ def test_a_request_cancelled_while_steered_leaves_nothing_behind(client, server)
 def test_captures_larger_than_the_store_are_refused_and_leave_nothing(client, server):
     """Each capture takes more than the server holds: a 400 that says so and how to fix it, the
     server and its workers hold nothing more after, and the server keeps serving."""
-    before = settled(server)["captures"]
+    before = settled(server, KEY)["captures"]
     names = ["blocks.0.hook_resid_post", "blocks.1.hook_resid_post", "blocks.2.hook_resid_post",
              "blocks.0.mlp.hook_post"]
     for index in range(5):
@@ -342,7 +323,7 @@ def test_captures_larger_than_the_store_are_refused_and_leave_nothing(client, se
                            r"bound for held captures.*--capture-bytes"):
             complete(client, prompt_of(20 + index, length=100), {"capture": names}, max_tokens=40)
     assert_forgotten(server)
-    assert settled(server)["captures"]["bytes"] <= before["bytes"]
+    assert settled(server, KEY)["captures"]["bytes"] <= before["bytes"]
     small = complete(client, prompt_of(30), {"capture": ["blocks.0.hook_resid_post"]})
     assert "activations" in small.model_extra["vlens"]
 

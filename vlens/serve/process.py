@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -78,6 +79,26 @@ def _stop(child: subprocess.Popen) -> None:
     except ProcessLookupError:
         pass
     child.wait()
+
+
+def status(base: str, api_key: str | None = None) -> dict:
+    """``GET /v1/vlens/status`` of the server at ``base``."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    request = urllib.request.Request(f"{base}/vlens/status", headers=headers)
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.loads(response.read())
+
+
+def settled(base: str, api_key: str | None = None, timeout: float = 30.0) -> dict:
+    """The server's status once it answers no request, holds no plan and its workers follow no
+    request (or as it is after ``timeout`` seconds)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        now = status(base, api_key)
+        idle = all(not any(counts.values()) for counts in now["workers"])
+        if (idle and not now["tickets"] and not now["in_flight"]) or time.monotonic() > deadline:
+            return now
+        time.sleep(0.1)
 
 
 def _tail(log: Path, lines: int = 80) -> str:
