@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from vlens.engine.parent_watch import WATCHED
+from vlens.runtime.parent_watch import WATCHED
 from vlens.runtime.transfer import host_blocks
 
 
@@ -121,7 +121,7 @@ def plugins_except(
     """While an engine is built (its worker processes start then and inherit the environment):
     every installed vLLM plugin but ``excluded``, unless the user chose with ``VLLM_PLUGINS``;
     of the endpoint plugins (HTTP routes of vLLM's server), only ``endpoints``; and the engine's
-    processes leave with this one (:mod:`vlens.engine.parent_watch`)."""
+    processes leave with this one (:mod:`vlens.runtime.parent_watch`)."""
     with _owned_engine():
         if "VLLM_PLUGINS" in os.environ:
             yield
