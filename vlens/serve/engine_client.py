@@ -299,8 +299,9 @@ class VlensEngineClient:
 
     async def status(self) -> dict[str, Any]:
         """What the server holds now: the HTTP requests it is answering, its held captures,
-        captures whose response was never written, admitted plans, and what each worker follows (all zero on an idle server, but
-        the unfetched ones); and how many times it called the workers, by method."""
+        captures whose response was never written, admitted plans, and what each worker follows
+        (all zero on an idle server, but the unfetched ones); and how many times it called the
+        workers, by method."""
         return {
             "in_flight": self.in_flight,
             "captures": self.captures.status(),
