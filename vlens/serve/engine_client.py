@@ -25,6 +25,7 @@ from typing import Any
 
 from torch import Tensor
 from vllm.sampling_params import RequestOutputKind
+from vllm.v1.engine.exceptions import EngineDeadError
 
 from vlens.engine.engine import WorkerCall
 from vlens.engine.prefix_cache import CacheUse, cache_use, skips_reading
@@ -290,12 +291,18 @@ class VlensEngineClient:
 
     async def _forget(self, prepared: asyncio.Future, tag: str) -> Handback | None:
         """The workers' hand-back of request ``tag`` once its preparation is done, and the
-        request forgotten there; None where the preparation failed (nothing to forget)."""
+        request forgotten there; None where the preparation failed (nothing to forget) or the
+        server stopped the engine first."""
         try:
             await prepared
         except Exception:
             return None
-        return Handback.of_ranks(await self._on_workers("finish", [tag], "cpu"))
+        try:
+            return Handback.of_ranks(await self._on_workers("finish", [tag], "cpu"))
+        except EngineDeadError:
+            if self.stopping:  # the shutdown stopped the engine under a request it ended
+                return None
+            raise
 
     async def status(self) -> dict[str, Any]:
         """What the server holds now: the HTTP requests it is answering, its held captures,
