@@ -65,3 +65,31 @@ def test_an_saelens_sae_is_spliced_in_as_it_is(hooked, architecture):
         assert model.acts_to_saes[NAME].cfg.metadata.hook_name == NAME
     finally:
         model.reset_saes()
+
+
+def test_from_pretrained_goes_through_saelens_registry(monkeypatch):
+    """Where SAELens is installed, its own ``from_pretrained`` resolves and downloads (the same
+    cache as a SAELens user's); offline, the error names the folder to load instead."""
+    from vlens.sae import SAE
+    from vlens.sae.pretrained import PretrainedSAEError
+
+    theirs = saelens_sae("jumprelu", 16)
+    asked = []
+
+    def from_pretrained(release, sae_id, **options):
+        asked.append((release, sae_id, options))
+        return theirs
+
+    monkeypatch.setattr(sae_lens.SAE, "from_pretrained", from_pretrained)
+    sae = SAE.from_pretrained("gpt2-small-res-jb", "blocks.8.hook_resid_pre")
+    assert asked == [("gpt2-small-res-jb", "blocks.8.hook_resid_pre",
+                      {"device": "cpu", "dtype": "float32", "force_download": False,
+                       "fold_W_dec_norm": False})]
+    assert sae.W_enc.data_ptr() == theirs.W_enc.data_ptr()
+
+    def offline(release, sae_id, **options):
+        raise OSError("We couldn't connect to 'https://huggingface.co'")
+
+    monkeypatch.setattr(sae_lens.SAE, "from_pretrained", offline)
+    with pytest.raises(PretrainedSAEError, match=r"SAE\.load_from_disk\(folder\)"):
+        SAE.from_pretrained("gpt2-small-res-jb", "blocks.8.hook_resid_pre")

@@ -341,3 +341,43 @@ def test_folding_a_topk_sae_is_refused(tmp_path: Path) -> None:
     sae = SAE.load_from_disk(random_sae(tmp_path / "sae", "topk", d_in=16, d_sae=32, k=4))
     with pytest.raises(NotImplementedError, match="which features"):
         sae.fold_W_dec_norm()
+
+
+def test_from_pretrained_reads_a_hub_repository_from_the_cache(tmp_path: Path, monkeypatch) -> None:
+    """Without SAELens, ``release`` is a HuggingFace repository and ``sae_id`` the folder in it;
+    HuggingFace's cache is asked first, and a download only for what it lacks."""
+    from vlens.sae import pretrained
+
+    monkeypatch.setattr(pretrained, "sae_lens_installed", lambda: False)
+    random_sae(tmp_path / "repo" / "layer_0", "standard", d_in=16, d_sae=32)
+    asked: list[dict] = []
+
+    def snapshot_download(repo_id: str, **options) -> str:
+        asked.append({"repo_id": repo_id, **options})
+        return str(tmp_path / "repo")
+
+    monkeypatch.setattr("huggingface_hub.snapshot_download", snapshot_download)
+    sae = SAE.from_pretrained("owner/saes", "layer_0", fold_W_dec_norm=True)
+    assert sae.cfg.d_sae == 32
+    torch.testing.assert_close(sae.W_dec.norm(dim=-1), torch.ones(32))
+    assert asked == [{"repo_id": "owner/saes", "local_files_only": True,
+                      "allow_patterns": ["layer_0/cfg.json", "layer_0/sae_weights.safetensors"]}]
+    with pytest.raises(pretrained.PretrainedSAEError, match="sae_id names the folder"):
+        SAE.from_pretrained("owner/saes", "layer_9")
+
+
+def test_from_pretrained_offline_names_the_folder_to_load(monkeypatch) -> None:
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    from vlens.sae import pretrained
+
+    monkeypatch.setattr(pretrained, "sae_lens_installed", lambda: False)
+
+    def offline(repo_id: str, **options) -> str:
+        raise LocalEntryNotFoundError("no connection and not in the cache")
+
+    monkeypatch.setattr("huggingface_hub.snapshot_download", offline)
+    with pytest.raises(pretrained.PretrainedSAEError, match=r"SAE\.load_from_disk\(folder\)"):
+        SAE.from_pretrained("owner/saes", "layer_0")
+    with pytest.raises(pretrained.PretrainedSAEError, match="install.sh saelens"):
+        SAE.from_pretrained("gpt2-small-res-jb", "blocks.8.hook_resid_pre")

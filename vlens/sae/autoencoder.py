@@ -31,7 +31,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor, nn
 
-from vlens.sae import activations
+from vlens.sae import activations, pretrained
 from vlens.sae.config import DTYPES, SAEConfig, SAEFormatError, check_folder
 from vlens.sae.normalize import Restore, normalize
 from vlens.sae.weights import ALL_WEIGHT_NAMES, check_weights, read_weights, weight_shapes
@@ -126,6 +126,32 @@ class SAE(nn.Module):
             name = dtype if isinstance(dtype, str) else _dtype_name(dtype)
             cfg = replace(cfg, dtype=name.removeprefix("torch."))
         return cls(cfg, read_weights(folder, cfg, device)).eval()
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        release: str,
+        sae_id: str,
+        device: str | torch.device = "cpu",
+        dtype: str = "float32",
+        force_download: bool = False,
+        fold_W_dec_norm: bool = False,
+    ) -> SAE:
+        """A published SAE by SAELens's names (SAELens's classmethod of the same name): resolved
+        and downloaded by SAELens where it is installed, else ``release`` read as a HuggingFace
+        repository holding ``sae_id`` in SAELens's format (:mod:`vlens.sae.pretrained`).
+        Offline, refused with the folder to load instead."""
+        if pretrained.sae_lens_installed():
+            return cls.of(pretrained.from_sae_lens(
+                release, sae_id, device=str(device), dtype=dtype, force_download=force_download,
+                fold_W_dec_norm=fold_W_dec_norm,
+            ))
+        sae = cls.load_from_disk(
+            pretrained.hub_folder(release, sae_id, force_download), device, dtype
+        )
+        if fold_W_dec_norm:
+            sae.fold_W_dec_norm()
+        return sae
 
     @classmethod
     def of(cls, sae: Any) -> SAE:
