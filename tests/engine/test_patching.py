@@ -341,5 +341,26 @@ def test_refusals(hooked, bridge):
         patching.get_act_patch_resid_pre(model, corrupted, cache, per_prompt_diff)
     with pytest.raises(TypeError, match="transformer_lens.patching"):
         patching.get_act_patch_resid_pre(bridge("llama"), corrupted, cache, mean_diff)
-    with pytest.raises(NotImplementedError, match="hook_q_input"):
-        patching.get_act_patch_direct_path(model, corrupted, cache, cache, mean_diff, 0, 0)
+    with pytest.raises(ValueError, match="grouped keys and values"):
+        patching.get_act_patch_direct_path(model, corrupted, cache, cache, mean_diff, 0, 0, "k")
+
+
+@pytest.mark.parametrize("component", ["q", "v"])
+def test_direct_path_patching_equals_transformer_lens(setup, component):
+    """The edge from one head into each later head's own q (or v) input, patched as
+    TransformerLens patches it on its bridge (v: gpt2 only, llama's values are grouped)."""
+    model, reference, _, corrupted, cache, reference_cache = setup
+    if component == "v" and model.cfg.n_key_value_heads not in (None, model.cfg.n_heads):
+        pytest.skip("grouped values: refused as TransformerLens refuses it")
+    _, corrupted_cache = model.run_with_cache(corrupted)
+    ours = patching.get_act_patch_direct_path(model, corrupted, cache, corrupted_cache, mean_diff,
+                                              0, 1, component)
+    with torch.no_grad():
+        _, reference_corrupted = reference.run_with_cache(corrupted)
+        theirs = tl_patching.get_act_patch_direct_path(
+            reference, corrupted, reference_cache, reference_corrupted, mean_diff, 0, 1, component,
+            verbose=False,
+        )
+    assert ours.shape == (model.cfg.n_layers, model.cfg.n_heads)
+    assert torch.all(ours[0] == 0) and ours[1:].std() > 1e-3
+    assert_close_relative(ours, theirs)

@@ -8,7 +8,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from vlens.hooked.split_inputs import placed
 from vlens.names.rules import NameOrFilter, NameRules
+from vlens.names.weight_views import AnalysisWeights
 from vlens.runtime.transfer.messages import HookFunction
 
 FwdHooks = Sequence[tuple[NameOrFilter, HookFunction]]
@@ -24,8 +26,9 @@ class AddedHook:
 class HookRegistry:
     """Hook functions by canonical name, in the order they were added."""
 
-    def __init__(self, rules: NameRules) -> None:
+    def __init__(self, rules: NameRules, analysis: AnalysisWeights | None = None) -> None:
         self.rules = rules
+        self.analysis = analysis  # the weights that place split inputs' hooks; None: not placed
         self.added: list[AddedHook] = []
 
     def names(self, name_or_filter: NameOrFilter) -> list[str]:
@@ -46,11 +49,13 @@ class HookRegistry:
         self, fwd_hooks: FwdHooks, with_added: bool = True
     ) -> dict[str, tuple[HookFunction, ...]]:
         """``fwd_hooks`` (for one call), after the hooks added so far unless ``with_added`` is
-        False, by canonical name."""
+        False, by canonical name; those on split attention inputs placed where their edits land
+        (:mod:`vlens.hooked.split_inputs`)."""
         by_name: dict[str, list[HookFunction]] = {}
         for hook in self.added if with_added else ():
             by_name.setdefault(hook.name, []).append(hook.function)
         for name_or_filter, function in fwd_hooks:
             for name in self.names(name_or_filter):
                 by_name.setdefault(name, []).append(function)
-        return {name: tuple(functions) for name, functions in by_name.items()}
+        resolved = {name: tuple(functions) for name, functions in by_name.items()}
+        return resolved if self.analysis is None else placed(resolved, self.analysis)

@@ -63,7 +63,7 @@ class HookedVLLM(TokenMethods, GenerateMethods, ModelViews, ModuleSurface, SAEMe
             default_prepend_bos=default_prepend_bos,
             default_padding_side=default_padding_side,
         )
-        self.registry = HookRegistry(checkpoint.rules)
+        self.registry = HookRegistry(checkpoint.rules, checkpoint.analysis)
         self.raw = RawLocations(
             checkpoint.hook_specs,
             checkpoint.canonical_names,

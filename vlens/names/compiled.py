@@ -34,6 +34,7 @@ from vlens.names.mapping import (
 from vlens.names.resolve import Explain, NamesFilter, canonical, select
 from vlens.runtime.compiled.graph import GraphName
 from vlens.runtime.compiled.saes import CompiledSAE
+from vlens.runtime.hooks.split_inputs import split_of
 from vlens.runtime.vocabulary.locations import Site
 from vlens.runtime.vocabulary.readers import LogitsOf, writable
 from vlens.sae.autoencoder import SAE
@@ -108,6 +109,10 @@ def declare(
         if name in named:  # named one by one: what cannot carry hooks in the graph is refused
             check_hookable(name, specs[name])
     hooked = {name for name in hooked if hookable_in_graph(specs[name])}
+    for name in sorted(hooked):  # a split input's hooks run at the block input and projections
+        found = split_of(name)
+        if found is not None:
+            hooked |= {found[0], *(target for _, target in found[1])}
     attention = explicit_attention(specs, hooked)
     for name in sorted(hooked):  # a formed stage's sources, read where the eager engine reads them
         if isinstance(specs[name], DerivedSpec):

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from vlens.names.mapping import attention_dimensions
 from vlens.names.weights import CheckpointWeights, WeightNames
+from vlens.runtime.hooks.split_inputs import Norm
 
 
 class AnalysisWeights:
@@ -148,18 +149,18 @@ class AnalysisWeights:
     def ln_final(self) -> NormWeights:
         return NormWeights(self, "ln_final_w", "ln_final_b")
 
-    def normalize(
-        self, x: Float[Tensor, "... d_model"], weight: Tensor, bias: Tensor | None
-    ) -> Float[Tensor, "... d_model"]:
-        """A norm with its weight (and bias), as the model applies it, in fp32."""
+    def norm(self, w: str, b: str, layer: int | None = None) -> Norm:
+        """The norm whose weight (and LayerNorm's bias) ``WeightNames.<w>`` (``<b>``) name, as
+        the model applies it."""
         names = self.names
-        eps = getattr(self.config, names.eps)
-        x = x.float()
-        if names.normalization == "LN":
-            x = x - x.mean(-1, keepdim=True)
-        normalized = x / (x.pow(2).mean(-1, keepdim=True) + eps).sqrt()
-        out = normalized * (weight.float() + names.norm_offset)
-        return out if bias is None else out + bias
+        centred = names.normalization == "LN"
+        return Norm(
+            centred=centred,
+            eps=getattr(self.config, names.eps),
+            weight=self.require(w, layer),
+            bias=self.get(b, layer) if centred else None,
+            offset=names.norm_offset,
+        )
 
     def output_logits(self, logits: Float[Tensor, "... d_vocab"]) -> Float[Tensor, "... d_vocab"]:
         """``ln_final(x) @ W_U + b_U`` as the model outputs it: divided by
@@ -210,8 +211,7 @@ class NormWeights:
         return self._analysis.get(self._fields[1], self._layer)
 
     def __call__(self, x: Float[Tensor, "... d_model"]) -> Float[Tensor, "... d_model"]:
-        bias = None if self._analysis.names.normalization == "RMS" else self.b
-        return self._analysis.normalize(x, self.w, bias)
+        return self._analysis.norm(*self._fields, self._layer)(x)
 
 
 class AttentionWeights:

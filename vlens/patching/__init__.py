@@ -37,8 +37,9 @@ and this request's rows are taken back from it.
 Attention-pattern patching needs hooks that edit ``attn.hook_pattern`` (vlens computes that
 layer's attention in the worker for the hooked requests): an eager engine on one rank; elsewhere
 the pattern sweeps raise ``NotImplementedError`` with vlens's reason. Direct path patching
-(``get_act_patch_direct_path``) is not available: it edits one head's copy of the block input
-(``hook_q_input``), which vLLM never forms on its own.
+(``get_act_patch_direct_path``) edits one later head's own copy of the block input
+(``hook_q_input``), which vLLM never forms: vlens places that edit where it lands
+(:mod:`vlens.hooked.split_inputs`).
 
 ``transformer_lens.patching`` itself on a vlens model works too: vlens prefills every prompt in
 one engine step and hands its hook the call's batch, ``[batch, pos, ...]``, where the prompts run
@@ -56,7 +57,7 @@ from typing import Any, Literal
 import pandas as pd
 import torch
 import transformer_lens.patching as tl
-from jaxtyping import Int
+from jaxtyping import Float, Int
 from torch import Tensor
 from transformer_lens.patching import (
     AxisNames,
@@ -71,6 +72,7 @@ from transformer_lens.patching import (
     make_df_from_ranges,
 )
 
+from vlens.names.tl_versions import get_act_name
 from vlens.patching.sweep import as_tokens, make_sweep, run_sweeps
 
 __all__ = [
@@ -293,22 +295,78 @@ for _name in (
     globals()[_name].__doc__ = getattr(tl, _name).__doc__
 
 
-# ---- not available ----------------------------------------------------------------------------
+# ---- direct path patching ----------------------------------------------------------------------
 
 
-def get_act_patch_direct_path(*args: Any, **kwargs: Any) -> Tensor:
-    """Not available on vlens: direct path patching adds a source head's write to one later
-    head's own copy of the block input (``attn.hook_q_input`` / ``hook_k_input`` /
-    ``hook_v_input``), and vLLM computes every head's q, k and v from one shared input; vlens
-    offers those copies to read, not to edit."""
-    raise NotImplementedError(
-        "get_act_patch_direct_path: the per-head block inputs (attn.hook_q_input, ...) can be "
-        "read on vlens but not edited (vLLM forms q, k and v of every head from one shared "
-        "input); run it on TransformerLens's TransformerBridge"
-    )
+def get_act_patch_direct_path(
+    model: Any,
+    corrupted_tokens: Int[Tensor, "batch pos"],
+    clean_cache: Any,
+    corrupted_cache: Any,
+    patching_metric: MetricFn,
+    src_layer: int,
+    src_head: int,
+    component: Literal["q", "k", "v"] = "q",
+    verbose: bool = True,
+) -> Float[Tensor, "n_layers n_heads"]:
+    """TransformerLens's direct path patching: the source head's clean-minus-corrupted write
+    (``hook_z @ W_O``) added at every position to one later head's own copy of its block input
+    (``hook_{component}_input``), every other reader seeing the corrupted run; one cell per later
+    head, run as requests of one batched call. Rows ``l <= src_layer`` are 0.0 placeholders."""
+    del verbose  # one call: vLLM's own progress bar
+    if component not in ("q", "k", "v"):
+        raise ValueError(f"component must be 'q', 'k' or 'v', got {component!r}")
+    cfg = model.cfg
+    n_kv = getattr(cfg, "n_key_value_heads", None)
+    if component != "q" and n_kv is not None and n_kv != cfg.n_heads:
+        raise ValueError(
+            f"component={component!r} is unsupported here: n_key_value_heads={n_kv} for "
+            f"n_heads={cfg.n_heads} (grouped keys and values), so a query head has no key or "
+            f"value input of its own; component='q' is available"
+        )
+    tokens = as_tokens(model, corrupted_tokens)
+    z = f"blocks.{src_layer}.attn.hook_z"
+    W_O = model.blocks[src_layer].attn.W_O[src_head].to(clean_cache[z].device)
+    delta = clean_cache[z][:, :, src_head] @ W_O - corrupted_cache[z][:, :, src_head] @ W_O
+    layers = range(src_layer + 1, cfg.n_layers)
+    _, resid = model.run_with_cache(tokens, names_filter=[f"blocks.{layer}.hook_resid_pre" for layer in layers])
+    activation = f"{component}_input"
+    # The patched copy of head h: the corrupted block input (the edit reaches no earlier layer)
+    # plus the source's write, standing in for the clean activation of a patch sweep.
+    patched = {
+        get_act_name(activation, layer=layer): (resid[f"blocks.{layer}.hook_resid_pre"]
+                                                + delta.to(resid[f"blocks.{layer}.hook_resid_pre"].device)
+                                                )[:, :, None, :].expand(-1, -1, cfg.n_heads, -1)
+        for layer in layers
+    }
+    results = torch.zeros(cfg.n_layers, cfg.n_heads, device=cfg.device)
+    if not patched:
+        return results
+    index_df = pd.DataFrame([(layer, head) for layer in layers for head in range(cfg.n_heads)],
+                            columns=["layer", "head"])
+    values = generic_activation_patch(model, tokens, patched, patching_metric,
+                                      layer_head_vector_patch_setter, activation, index_df=index_df)
+    results[src_layer + 1 :] = values.reshape(len(layers), cfg.n_heads).to(results.device)
+    return results
 
 
-def get_act_patch_direct_path_all_sources(*args: Any, **kwargs: Any) -> Tensor:
-    """Not available on vlens: see :func:`get_act_patch_direct_path`."""
-    get_act_patch_direct_path()
-    raise AssertionError("unreachable")
+def get_act_patch_direct_path_all_sources(
+    model: Any,
+    corrupted_tokens: Int[Tensor, "batch pos"],
+    clean_cache: Any,
+    corrupted_cache: Any,
+    patching_metric: MetricFn,
+    component: Literal["q", "k", "v"] = "q",
+    verbose: bool = True,
+) -> Float[Tensor, "n_layers n_heads n_layers n_heads"]:
+    """:func:`get_act_patch_direct_path` from every source head: ``results[sl, sh, dl, dh]``,
+    0.0 where ``dl <= sl``."""
+    cfg = model.cfg
+    return torch.stack([
+        torch.stack([
+            get_act_patch_direct_path(model, corrupted_tokens, clean_cache, corrupted_cache,
+                                      patching_metric, layer, head, component, verbose)
+            for head in range(cfg.n_heads)
+        ])
+        for layer in range(cfg.n_layers)
+    ])

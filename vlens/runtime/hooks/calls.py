@@ -282,6 +282,8 @@ def call_hooks(
 def _call(function: HookFunction, value: Tensor, hook: Hook) -> Tensor | None:
     try:
         return function(value, hook)
+    except HookError:  # raised by vlens's own functions (split inputs), naming the user's
+        raise
     except Exception as error:
         name = function_name(function)
         raise HookError(f"hook function {name} on {hook.name} raised {error!r}") from error
