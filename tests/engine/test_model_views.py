@@ -38,7 +38,9 @@ BLOCK_VIEWS = {
 
 class CheckpointOnly(ModelViews):
     """The views over a checkpoint, without an engine: the protocol ``HookedVLLM`` offers them
-    (``cfg``, ``checkpoint``, ``registry``, ``hook_names``, ``add_hook``)."""
+    (``cfg``, ``checkpoint``, ``registry``, ``hook_names``, ``add_hook``, backward hooks)."""
+
+    _backward: tuple = ()
 
     def __init__(self, path: Path) -> None:
         config = AutoConfig.from_pretrained(path)
@@ -50,6 +52,9 @@ class CheckpointOnly(ModelViews):
 
     def add_hook(self, name: str, hook: Any, dir: str = "fwd", is_permanent: bool = False) -> None:
         self.registry.add(name, hook, is_permanent)
+
+    def remove_backward_hooks(self, name: str | None, including_permanent: bool) -> None:
+        pass
 
 
 def viewed(model: HookedVLLM) -> HookedVLLM:

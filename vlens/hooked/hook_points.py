@@ -9,7 +9,10 @@ from vlens.hooked.hook_registry import AddedHook, HookRegistry
 from vlens.runtime.transfer.messages import HookFunction
 
 if TYPE_CHECKING:
+    from vlens.hooked.gradients import BackwardHook
     from vlens.names.weight_views import AnalysisWeights
+
+Direction = Literal["fwd", "bwd", "both"]
 
 
 class HookedModel(Protocol):
@@ -18,13 +21,16 @@ class HookedModel(Protocol):
     cfg: Any  # n_layers, n_heads, d_model, d_head, d_mlp, positional_embedding_type
     analysis: AnalysisWeights
     registry: HookRegistry
+    _backward: tuple[BackwardHook, ...]
 
     @property
     def hook_names(self) -> list[str]: ...
 
     def add_hook(
-        self, name: str, hook: HookFunction, dir: Literal["fwd"] = "fwd", is_permanent: bool = False
+        self, name: str, hook: HookFunction, dir: Direction = "fwd", is_permanent: bool = False
     ) -> None: ...
+
+    def remove_backward_hooks(self, name: str | None, including_permanent: bool) -> None: ...
 
 
 class HookPointView:
@@ -35,12 +41,12 @@ class HookPointView:
         self.name = name
 
     def add_hook(
-        self, hook: HookFunction, dir: Literal["fwd"] = "fwd", is_permanent: bool = False
+        self, hook: HookFunction, dir: Direction = "fwd", is_permanent: bool = False
     ) -> None:
         """``model.add_hook(self.name, hook, ...)``."""
         self.model.add_hook(self.name, hook, dir=dir, is_permanent=is_permanent)
 
-    def add_perma_hook(self, hook: HookFunction, dir: Literal["fwd"] = "fwd") -> None:
+    def add_perma_hook(self, hook: HookFunction, dir: Direction = "fwd") -> None:
         self.add_hook(hook, dir=dir, is_permanent=True)
 
     @property
@@ -55,7 +61,8 @@ class HookPointView:
         level: None = None,
     ) -> bool:
         _check_direction(dir, level)
-        hooks = self.fwd_hooks if dir != "bwd" else []
+        hooks = [*(self.fwd_hooks if dir != "bwd" else []),
+                 *(hook for hook in self.model._backward if dir != "fwd" and hook.name == self.name)]
         return any(including_permanent or not hook.permanent for hook in hooks)
 
     def remove_hooks(
@@ -67,8 +74,10 @@ class HookPointView:
         """Remove the hooks added at this name (the permanent ones too with
         ``including_permanent``)."""
         _check_direction(dir, level)
+        if dir != "fwd":
+            self.model.remove_backward_hooks(self.name, including_permanent)
         if dir == "bwd":
-            return  # vLLM runs no backward pass: there are none
+            return
         registry = self.model.registry
         registry.added = [
             hook

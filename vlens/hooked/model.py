@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Literal, NoReturn
 
@@ -21,8 +21,9 @@ from vlens.engine.planning import HooksByName
 from vlens.hooked.cache import VLensCache
 from vlens.hooked.config import ModelConfig
 from vlens.hooked.generation import GenerateMethods, check_max_new_tokens
+from vlens.hooked.gradients import Gradients
 from vlens.hooked.hook_registry import FwdHooks, HookRegistry
-from vlens.hooked.module_surface import ModuleSurface, refuse_gradients
+from vlens.hooked.module_surface import ModuleSurface
 from vlens.hooked.outputs import Output, ReturnType, check_return_type, model_output
 from vlens.hooked.saes import SAEMethods
 from vlens.hooked.tokens import Input, TokenMethods, prepare_tokenizer
@@ -37,7 +38,7 @@ from vlens.runtime.vocabulary.steering import AnySteer
 from vlens.sae.autoencoder import SAE
 
 
-class HookedVLLM(TokenMethods, GenerateMethods, ModelViews, ModuleSurface, SAEMethods):
+class HookedVLLM(TokenMethods, GenerateMethods, ModelViews, ModuleSurface, SAEMethods, Gradients):
     """A vLLM engine that answers in TransformerLens hook names.
 
     Build it with :meth:`from_pretrained`; ``print(model)`` shows vLLM's module tree;
@@ -152,19 +153,25 @@ class HookedVLLM(TokenMethods, GenerateMethods, ModelViews, ModuleSurface, SAEMe
         self,
         name: NameOrFilter,
         hook: HookFunction,
-        dir: Literal["fwd"] = "fwd",
+        dir: Literal["fwd", "bwd", "both"] = "fwd",
         is_permanent: bool = False,
     ) -> None:
         """Run ``hook(tensor, hook_point)`` at ``name`` (or every name a filter accepts) in every
         later call, until :meth:`reset_hooks`. It may return a replacement tensor, or edit the
-        tensor in place and return None; either reaches the model."""
+        tensor in place and return None; either reaches the model. ``dir="bwd"`` (or
+        ``"both"``): on the gradient at ``name``, as TransformerLens does; the forwards that
+        follow run on the gradient twin (:mod:`vlens.hooked.gradients`)."""
+        if dir not in ("fwd", "bwd", "both"):
+            raise ValueError(f"dir must be 'fwd', 'bwd' or 'both', got {dir!r}")
+        if dir != "bwd":
+            self.raw.admit(name)
+            self.registry.add(name, hook, is_permanent)
         if dir != "fwd":
-            refuse_gradients(f"add_hook(dir={dir!r})")
-        self.raw.admit(name)
-        self.registry.add(name, hook, is_permanent)
+            self.add_backward_hook(self.registry.rules.hook_names(name), hook, is_permanent)
 
     def reset_hooks(self, clear_contexts: bool = True, including_permanent: bool = False) -> None:
         self.registry.reset(including_permanent)
+        self.remove_backward_hooks(None, including_permanent)
         if clear_contexts:
             self.engine.clear_contexts()
 
@@ -176,19 +183,21 @@ class HookedVLLM(TokenMethods, GenerateMethods, ModelViews, ModuleSurface, SAEMe
         reset_hooks_end: bool = True,
         clear_contexts: bool = False,
     ) -> Iterator[HookedVLLM]:
-        """``with model.hooks(fwd_hooks=[(name, fn)]):`` — hooks for the calls in the block."""
-        if bwd_hooks:
-            refuse_gradients("bwd_hooks")
+        """``with model.hooks(fwd_hooks=[(name, fn)], bwd_hooks=[...]):`` — hooks for the calls
+        in the block."""
         before = list(self.registry.added)
-        try:
-            for name, function in fwd_hooks:
-                self.add_hook(name, function)
-            yield self
-        finally:
-            if reset_hooks_end:
-                self.registry.added = before
-                if clear_contexts:
-                    self.engine.clear_contexts()
+        with self.backward_hooks_kept() if reset_hooks_end else nullcontext():
+            try:
+                for name, function in fwd_hooks:
+                    self.add_hook(name, function)
+                for name, function in bwd_hooks:
+                    self.add_hook(name, function, dir="bwd")
+                yield self
+            finally:
+                if reset_hooks_end:
+                    self.registry.added = before
+                    if clear_contexts:
+                        self.engine.clear_contexts()
 
     def run_with_hooks(
         self,
@@ -222,6 +231,12 @@ class HookedVLLM(TokenMethods, GenerateMethods, ModelViews, ModuleSurface, SAEMe
                 "start_at_layer: vLLM's forward starts from token ids; to run from a residual "
                 "stream of your own, replace it with a hook on blocks.{k}.hook_resid_pre"
             )
+        if self.needs_gradients():
+            with self.on_twin("a forward", {"prompt_hooks": prompt_hooks is not None}) as twin:
+                tokens = self.to_tokens(input, prepend_bos, padding_side).to(twin.cfg.device)
+                layer = {} if stop_at_layer is None else {"stop_at_layer": stop_at_layer}
+                return twin(tokens, return_type=return_type, loss_per_token=loss_per_token,
+                            **layer)
         output, _ = self.run_with_cache(
             input,
             names_filter=[],
@@ -291,9 +306,18 @@ class HookedVLLM(TokenMethods, GenerateMethods, ModelViews, ModuleSurface, SAEMe
         read. A call whose cache would not fit in the memory available on ``device`` is refused
         before it runs (:mod:`vlens.engine.memory_budget`).
         """
-        if incl_bwd:
-            refuse_gradients("run_with_cache(incl_bwd=True)")
         check_return_type(return_type)
+        if self.needs_gradients(incl_bwd):
+            refused = {"steering": bool(steering), "prompt_steering": prompt_steering is not None,
+                       "prompt_hooks": prompt_hooks is not None, "max_new_tokens": max_new_tokens > 0,
+                       "stop_at_layer": stop_at_layer is not None}
+            with self.on_twin("run_with_cache", refused) as twin:
+                tokens = self.to_tokens(input, prepend_bos, padding_side).to(twin.cfg.device)
+                return twin.run_with_cache(
+                    tokens, names_filter=self.checkpoint.planner.names(names_filter),
+                    return_type=return_type, loss_per_token=loss_per_token, incl_bwd=incl_bwd,
+                    remove_batch_dim=remove_batch_dim, return_cache_object=return_cache_object,
+                )
         check_max_new_tokens(max_new_tokens, least=0)
         prompts = self.token_lists(input, prepend_bos, padding_side)
         self._warn_if_cut_short(prompts, max_new_tokens)

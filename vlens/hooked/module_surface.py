@@ -73,10 +73,11 @@ class ModuleSurface:
 
 
 def refuse_gradients(what: str) -> None:
-    """vLLM computes no gradients: say what to use for gradient-based methods."""
+    """vLLM computes no gradients: say where gradient work runs instead."""
     raise NotImplementedError(
-        f"{what}: vLLM runs inference only (no autograd graph, no backward pass), so gradients, "
-        f"backward hooks and attribution patching are not available. Run those on "
-        f"TransformerLens's TransformerBridge over HuggingFace; activation patching (forward "
-        f"hooks only) runs here, batched: vlens.patching"
+        f"{what}: vLLM runs inference only, and vlens's model has no trainable weights. "
+        f"Gradients run on the model's gradient twin: register a backward hook "
+        f"(add_hook(name, fn, dir='bwd')) and the forwards that follow compute gradients, or "
+        f"run_with_cache(..., incl_bwd=True); model.gradient_twin() is TransformerLens's own "
+        f"model of this checkpoint"
     )

@@ -7,6 +7,7 @@ weight vlens needs in the user's process (``W_U``, ``W_O``, norm weights) comes 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -39,6 +40,14 @@ class CheckpointWeights:
 
     def __contains__(self, name: str) -> bool:
         return name in self.file_of
+
+    def parameter_count(self) -> int:
+        """How many numbers the checkpoint's tensors hold, read from the files' headers."""
+        count = 0
+        for file in sorted(set(self.file_of.values())):
+            with safe_open(file, framework="pt") as handle:
+                count += sum(math.prod(handle.get_slice(name).get_shape()) for name in handle.keys())
+        return count
 
     def __getitem__(self, name: str) -> Tensor:
         if name not in self.file_of:

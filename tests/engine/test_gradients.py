@@ -1,0 +1,123 @@
+"""Gradients on the twin of the checkpoint: backward hooks, ``incl_bwd`` caches and gradients
+through forward hooks equal TransformerLens's bridge's on the same checkpoint (fp32, ≤ 1e-4
+relative); the twin's forward equals the engine's; calls without gradients stay on vLLM; what
+the twin cannot honour yet is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor
+
+from vlens.hooked.gradients import check_fits
+
+TEXT = "The river ran past the old mill, and every morning"
+NAME = "blocks.0.hook_resid_post"
+RELATIVE = 1e-4
+
+
+def metric(logits: Tensor) -> Tensor:
+    return logits[0, -1, 3] - logits[0, -1, 4]
+
+
+def assert_relative(actual: Tensor, expected: Tensor) -> None:
+    error = (actual.float() - expected.float()).abs().max() / expected.float().abs().max()
+    assert error <= RELATIVE, f"relative error {error:.2e} > {RELATIVE:.0e}"
+
+
+def zero_head_0(z: Tensor, hook) -> None:
+    z[:, :, 0] = 0.0
+
+
+def gradients(model, tokens, fwd_hooks=()) -> dict[str, Tensor]:
+    """The gradient of :func:`metric` at ``NAME`` and ``blocks.1.attn.hook_z``, by backward
+    hooks (TransformerLens's way), with ``fwd_hooks`` on the forward."""
+    seen: dict[str, Tensor] = {}
+
+    def keeper(name: str):
+        def keep(grad: Tensor, hook) -> None:  # the bridge names an alias's hook by its own
+            seen[name] = grad.detach().clone()
+
+        return keep
+
+    names = [NAME, "blocks.1.attn.hook_z"]
+    with model.hooks(fwd_hooks=list(fwd_hooks), bwd_hooks=[(n, keeper(n)) for n in names]):
+        metric(model(tokens)).backward()
+    return seen
+
+
+def test_backward_hooks_give_the_bridges_gradients(hooked, bridge):
+    model, reference = hooked("llama"), bridge("llama")
+    tokens = model.to_tokens(TEXT)
+    ours, theirs = gradients(model, tokens), gradients(reference, tokens)
+    assert set(ours) == {NAME, "blocks.1.attn.hook_z"}
+    for name in ours:
+        assert ours[name].abs().max() > 0
+        assert_relative(ours[name], theirs[name])
+    assert not model.needs_gradients()  # the block's backward hooks are gone with it
+    # and the twin computes the engine's values
+    with torch.no_grad():
+        twin_logits = model.gradient_twin()(tokens)
+    assert_relative(twin_logits, model(tokens))
+
+
+def test_forward_hooks_run_on_the_twin(hooked, bridge):
+    model, reference = hooked("llama"), bridge("llama")
+    tokens = model.to_tokens(TEXT)
+    ablated = [("blocks.0.attn.hook_z", zero_head_0)]
+    ours = gradients(model, tokens, ablated)
+    theirs = gradients(reference, tokens, ablated)
+    plain = gradients(model, tokens)
+    assert_relative(ours[NAME], theirs[NAME])
+    assert (ours[NAME] - plain[NAME]).abs().max() > 1e-4, "the ablation changed nothing"
+
+
+def test_a_cache_with_gradients_equals_the_bridges(hooked, bridge):
+    model, reference = hooked("llama"), bridge("llama")
+    tokens = model.to_tokens(TEXT)
+    names = [NAME, "blocks.1.hook_resid_pre"]
+    loss, cache = model.run_with_cache(tokens, names_filter=names, return_type="loss",
+                                       incl_bwd=True)
+    reference_loss, expected = reference.run_with_cache(
+        tokens, names_filter=names, return_type="loss", incl_bwd=True)
+    assert_relative(loss.detach(), reference_loss.detach())
+    for name in names:
+        assert_relative(cache[f"{name}_grad"], expected[f"{name}_grad"])
+        assert_relative(cache[name], expected[name])
+
+
+def test_added_backward_hooks_last_until_reset(hooked):
+    model = hooked("llama")
+    tokens = model.to_tokens(TEXT)
+    seen: list[Tensor] = []
+    model.add_hook(NAME, lambda grad, hook: seen.append(grad), dir="bwd")
+    assert model.blocks[0].hook_resid_post.has_hooks(dir="bwd")
+    try:
+        metric(model(tokens)).backward()
+        metric(model(tokens)).backward()
+    finally:
+        model.reset_hooks()
+    assert len(seen) == 2 and torch.equal(seen[0], seen[1])
+    assert not model.needs_gradients()
+    logits = model(tokens)
+    assert not logits.requires_grad  # back on vLLM
+
+
+def test_what_the_twin_cannot_honour_yet_is_refused(hooked, tmp_path):
+    from vlens.testing.saes import random_sae
+
+    model = hooked("llama")
+    tokens = model.to_tokens(TEXT)
+    with pytest.raises(NotImplementedError, match="max_new_tokens"):
+        model.run_with_cache(tokens, incl_bwd=True, max_new_tokens=2)
+    from vlens.sae import SAE
+
+    sae = SAE.load_from_disk(random_sae(tmp_path / "sae", d_in=model.cfg.d_model, hook_name=NAME))
+    model.add_sae(sae)
+    try:
+        with pytest.raises(NotImplementedError, match="add_sae"):
+            model.run_with_cache(tokens, incl_bwd=True, return_type="loss")
+    finally:
+        model.reset_saes()
+    with pytest.raises(MemoryError, match="gradient_twin\\(device='cpu'\\)"):
+        check_fits(2**60, torch.device("cpu"))

@@ -1,0 +1,174 @@
+"""Gradients in the same notebook: the calls that need autograd run on a twin of the checkpoint.
+
+vLLM computes no gradients. A call that needs them runs instead on TransformerLens's own model
+of the same checkpoint (``TransformerBridge`` over HuggingFace, no weight processing: the values
+vlens's parity suite compares every name against), whose hook names are vlens's. What needs
+autograd, and so runs on the twin:
+
+- a forward (``model(...)``, ``run_with_hooks``, ``run_with_cache``) while backward hooks are
+  registered (``add_hook(name, fn, dir="bwd")``, ``hooks(bwd_hooks=...)``,
+  ``run_with_hooks(..., bwd_hooks=...)``), so that the user's ``.backward()`` reaches them;
+- ``run_with_cache(..., incl_bwd=True)``, which runs the backward itself, as TransformerLens does.
+
+Everything else stays on vLLM. The forward hooks added on the model (and a call's own) run on
+the twin too, with TransformerLens's ``hook`` argument. The twin is built on first need (once),
+on the engine's device unless :meth:`Gradients.gradient_twin` is given another, after a check
+that its weights fit there; :meth:`Gradients.free_gradient_twin` lets it go.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+import torch
+
+from vlens.engine.checkpoint import Checkpoint
+from vlens.hooked.hook_registry import HookRegistry
+from vlens.names.tl_versions import HAS_BRIDGE
+from vlens.runtime.transfer.messages import HookFunction
+
+logger = logging.getLogger("vlens")
+
+#: The share of the free memory of a device the twin's weights may take (its activations and
+#: gradients need the rest).
+WEIGHTS_SHARE = 0.5
+
+
+@dataclass(frozen=True)
+class BackwardHook:
+    name: str
+    function: HookFunction
+    permanent: bool
+
+
+class Gradients:
+    """Mixed into :class:`vlens.HookedVLLM`: the twin, and the backward hooks it carries."""
+
+    checkpoint: Checkpoint
+    engine: Any
+    registry: HookRegistry
+    engine_device_type: Callable[[], str]
+    _saes: Callable[[], dict]
+
+    _twin: Any = None
+    _backward: tuple[BackwardHook, ...] = ()
+
+    def gradient_twin(self, device: str | torch.device | None = None) -> Any:
+        """The twin that computes gradients (TransformerLens's ``TransformerBridge`` on this
+        checkpoint), built on first call on ``device`` (None: the engine's), after a check that
+        its weights fit there. Another ``device`` later moves it."""
+        if self._twin is not None:
+            if device is not None and torch.device(device) != self._twin.cfg.device:
+                self._twin.to(device)
+            return self._twin
+        if not HAS_BRIDGE:
+            raise NotImplementedError(
+                "gradients run on TransformerLens 4's TransformerBridge, which this environment's "
+                "TransformerLens 3 lacks (SAELens's pin): run gradient work where vlens's default "
+                "environment (TransformerLens 4) is installed"
+            )
+        from transformer_lens.model_bridge import TransformerBridge
+
+        where = torch.device(device if device is not None else self.engine_device_type())
+        dtype = self.engine.llm.model_config.dtype
+        need = check_fits(self.checkpoint.weights.parameter_count() * dtype.itemsize, where)
+        twin = TransformerBridge.boot_transformers(str(self.checkpoint.path), device=str(where),
+                                                   dtype=dtype)
+        twin.enable_compatibility_mode(no_processing=True)
+        twin.eval()
+        logger.info("vlens: the gradient twin is built on %s (%.2f GiB of weights)", where,
+                    need / 2**30)
+        for hook in self._backward:
+            twin.add_hook(hook.name, hook.function, dir="bwd", is_permanent=hook.permanent)
+        self._twin = twin
+        return twin
+
+    def free_gradient_twin(self) -> None:
+        """Let the twin go (its memory with it); the next call that needs gradients builds it
+        again, with the backward hooks still registered."""
+        self._twin = None
+
+    # ---- backward hooks ----------------------------------------------------------------------
+
+    def add_backward_hook(self, names: Sequence[str], function: HookFunction,
+                          permanent: bool) -> None:
+        """Backward hooks for the calls to come (on the twin, when it is built)."""
+        hooks = tuple(BackwardHook(name, function, permanent) for name in names)
+        self._backward += hooks
+        for hook in hooks if self._twin is not None else ():
+            self._twin.add_hook(hook.name, hook.function, dir="bwd", is_permanent=permanent)
+
+    def remove_backward_hooks(self, name: str | None, including_permanent: bool) -> None:
+        """The backward hooks at ``name`` (None: every name) removed, the permanent ones too
+        with ``including_permanent``."""
+        self._set_backward(tuple(
+            hook for hook in self._backward
+            if (name is not None and hook.name != name) or (hook.permanent and not including_permanent)
+        ))
+
+    @contextmanager
+    def backward_hooks_kept(self) -> Iterator[None]:
+        """The backward hooks as they were before the block, on leaving it."""
+        before = self._backward
+        try:
+            yield
+        finally:
+            self._set_backward(before)
+
+    def _set_backward(self, hooks: tuple[BackwardHook, ...]) -> None:
+        if hooks == self._backward:
+            return
+        self._backward = hooks
+        if self._twin is not None:
+            self._twin.reset_hooks(including_permanent=True)
+            for hook in hooks:
+                self._twin.add_hook(hook.name, hook.function, dir="bwd", is_permanent=hook.permanent)
+
+    def needs_gradients(self, incl_bwd: bool = False) -> bool:
+        return incl_bwd or bool(self._backward)
+
+    # ---- calls on the twin -------------------------------------------------------------------
+
+    @contextmanager
+    def on_twin(self, what: str, refused: dict[str, bool]) -> Iterator[Any]:
+        """The twin with the model's forward hooks added for the block; ``refused``: the call's
+        arguments the twin cannot honour, by name, each True where given."""
+        given = [name for name, present in refused.items() if present]
+        if given:
+            raise NotImplementedError(
+                f"{what} with backward hooks runs on the gradient twin, which does not take "
+                f"{', '.join(given)} yet: use forward hooks (fwd_hooks), or call without "
+                f"backward hooks"
+            )
+        if self._saes():
+            raise NotImplementedError(
+                f"{what} with backward hooks runs on the gradient twin, where SAEs added with "
+                f"add_sae are not spliced in yet: reset_saes() first, or splice the SAE with a "
+                f"forward hook"
+            )
+        twin = self.gradient_twin()
+        forward = [(hook.name, hook.function) for hook in self.registry.added]
+        with ExitStack() as stack:
+            stack.enter_context(twin.hooks(fwd_hooks=forward, reset_hooks_end=True))
+            yield twin
+
+
+def check_fits(weights: int, device: torch.device) -> int:
+    """``weights`` (bytes), once they are known to fit on ``device`` beside what runs there."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+    else:
+        free = psutil.virtual_memory().available
+    if weights > WEIGHTS_SHARE * free:
+        raise MemoryError(
+            f"the gradient twin needs {weights / 2**30:.2f} GiB for its weights on {device}, "
+            f"where {free / 2**30:.2f} GiB are free (vLLM holds most of a GPU for its KV cache): "
+            f"build it elsewhere with model.gradient_twin(device='cpu'), or load the engine with "
+            f"a lower gpu_memory_utilization"
+        )
+    return weights
