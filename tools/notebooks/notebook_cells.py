@@ -82,6 +82,20 @@ class Notebook:
 # ---- reading -----------------------------------------------------------------------------------
 
 
+def from_mirror(mirror: Path, file: str) -> tuple[str, str] | None:
+    """``file`` at HEAD of the git directory ``mirror``, and HEAD's short commit; None where
+    the mirror or the file is missing."""
+    if not mirror.is_dir():
+        return None
+    shown = subprocess.run(["git", f"--git-dir={mirror}", "show", f"HEAD:{file}"],
+                           check=False, capture_output=True, text=True)
+    if shown.returncode != 0:
+        return None
+    commit = subprocess.run(["git", f"--git-dir={mirror}", "rev-parse", "--short", "HEAD"],
+                            check=False, capture_output=True, text=True).stdout.strip()
+    return shown.stdout, commit
+
+
 def read_notebook(ref: str, mirror: Path = MIRROR) -> tuple[str, str, dict]:
     """``ref`` is an ``.ipynb`` path, or a demo's name (``Main_Demo``) looked up in the
     TransformerLens mirror's ``demos/`` at HEAD, then in :data:`COPIES`."""
@@ -89,23 +103,11 @@ def read_notebook(ref: str, mirror: Path = MIRROR) -> tuple[str, str, dict]:
     if path.suffix == ".ipynb" and path.is_file():
         return path.stem, str(path.resolve()), json.loads(path.read_text())
     name = path.stem if path.suffix == ".ipynb" else ref
-    if mirror.is_dir():
-        blob = f"HEAD:demos/{name}.ipynb"
-        shown = subprocess.run(
-            ["git", f"--git-dir={mirror}", "show", blob],
-            check=False,
-            capture_output=True,
-            text=True,
-        )
-        if shown.returncode == 0:
-            commit = subprocess.run(
-                ["git", f"--git-dir={mirror}", "rev-parse", "--short", "HEAD"],
-                check=False,
-                capture_output=True,
-                text=True,
-            ).stdout.strip()
-            origin = f"TransformerLensOrg/TransformerLens@{commit}:demos/{name}.ipynb"
-            return name, origin, json.loads(shown.stdout)
+    found = from_mirror(mirror, f"demos/{name}.ipynb")
+    if found is not None:
+        text, commit = found
+        origin = f"TransformerLensOrg/TransformerLens@{commit}:demos/{name}.ipynb"
+        return name, origin, json.loads(text)
     copy = COPIES / f"{name}.ipynb"
     if copy.is_file():
         return name, str(copy), json.loads(copy.read_text())

@@ -526,20 +526,25 @@ def settle_environment(ci: bool = True, threads: int = 1) -> None:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 
-def run_one(args: argparse.Namespace, ref: str) -> dict[str, Any]:
-    notebook = load(ref, args.mirror)
-    path = args.model or smollm2()
-    runner = Runner(notebook, args.backend, path, args.cell_timeout, args.stop_in_cell)
+def progress_printer(backend: str, notebook: Notebook) -> Callable[[CellResult], None]:
+    """What a run prints on stderr as each cell ends."""
 
     def progress(result: CellResult) -> None:
         print(
-            f"[{args.backend} {notebook.name}] cell {result.index}/{len(notebook.cells) - 1} "
+            f"[{backend} {notebook.name}] cell {result.index}/{len(notebook.cells) - 1} "
             f"{result.status} {result.seconds}s {result.detail[:150]}",
             file=sys.stderr,
             flush=True,
         )
 
-    results = runner.run(parse_cells(args.cells), progress)
+    return progress
+
+
+def run_one(args: argparse.Namespace, ref: str) -> dict[str, Any]:
+    notebook = load(ref, args.mirror)
+    path = args.model or smollm2()
+    runner = Runner(notebook, args.backend, path, args.cell_timeout, args.stop_in_cell)
+    results = runner.run(parse_cells(args.cells), progress_printer(args.backend, notebook))
     return {
         "notebook": notebook.name,
         "origin": notebook.origin,

@@ -53,6 +53,7 @@ from notebook_cells import (  # noqa: E402
     code_sources,
     drop_magics,
     first_line,
+    from_mirror,
     prepare,
 )
 from run_notebook import (  # noqa: E402
@@ -65,6 +66,7 @@ from run_notebook import (  # noqa: E402
     environment,
     markdown,
     parse_cells,
+    progress_printer,
     settle_environment,
     smollm2,
     write,
@@ -275,23 +277,12 @@ def rewrite(source: str) -> str:
 def read_tutorial(name: str, mirror: Path = MIRROR) -> tuple[str, dict]:
     """The tutorial at the SAELens mirror's HEAD (copied to :data:`COPIES`), else the copy."""
     copy = COPIES / f"{name}.ipynb"
-    if mirror.is_dir():
-        shown = subprocess.run(
-            ["git", f"--git-dir={mirror}", "show", f"HEAD:tutorials/{name}.ipynb"],
-            check=False,
-            capture_output=True,
-            text=True,
-        )
-        if shown.returncode == 0:
-            commit = subprocess.run(
-                ["git", f"--git-dir={mirror}", "rev-parse", "--short", "HEAD"],
-                check=False,
-                capture_output=True,
-                text=True,
-            ).stdout.strip()
-            COPIES.mkdir(parents=True, exist_ok=True)
-            copy.write_text(shown.stdout)
-            return f"jbloomAus/SAELens@{commit}:tutorials/{name}.ipynb", json.loads(shown.stdout)
+    found = from_mirror(mirror, f"tutorials/{name}.ipynb")
+    if found is not None:
+        text, commit = found
+        COPIES.mkdir(parents=True, exist_ok=True)
+        copy.write_text(text)
+        return f"jbloomAus/SAELens@{commit}:tutorials/{name}.ipynb", json.loads(text)
     if copy.is_file():
         return str(copy), json.loads(copy.read_text())
     raise FileNotFoundError(f"{name}: not tutorials/{name}.ipynb in {mirror}, nor in {COPIES}")
@@ -430,16 +421,7 @@ def run_one(args: argparse.Namespace, name: str) -> dict[str, Any]:
     path = args.model or smollm2()
     write_saes(args.sae_root, notebook.name)
     runner = TutorialRunner(notebook, args.backend, path, args.cell_timeout, args.sae_root)
-
-    def progress(result: CellResult) -> None:
-        print(
-            f"[{args.backend} {notebook.name}] cell {result.index}/{len(notebook.cells) - 1} "
-            f"{result.status} {result.seconds}s {result.detail[:150]}",
-            file=sys.stderr,
-            flush=True,
-        )
-
-    results = runner.run(parse_cells(args.cells), progress)
+    results = runner.run(parse_cells(args.cells), progress_printer(args.backend, notebook))
     args.values.mkdir(parents=True, exist_ok=True)
     torch.save(runner.values, args.values / f"{args.backend}-{notebook.name}.pt")
     report: dict[str, Any] = {
