@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,8 +153,7 @@ class Gradients:
             )
         twin = self.gradient_twin()
         forward = [(hook.name, hook.function) for hook in self.registry.added]
-        with ExitStack() as stack:
-            stack.enter_context(twin.hooks(fwd_hooks=forward, reset_hooks_end=True))
+        with twin.hooks(fwd_hooks=forward, reset_hooks_end=True):
             yield twin
 
 

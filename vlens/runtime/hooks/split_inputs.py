@@ -111,8 +111,8 @@ class KeepInput:
     fork: Fork
 
     def __call__(self, value: Tensor, hook: Hook) -> None:
-        with torch.inference_mode(False):
-            self.fork.block_input = value.clone()
+        # The hook's own copy (made outside inference mode), and this the last function at it.
+        self.fork.block_input = value
         self.fork.copies = None
 
 
