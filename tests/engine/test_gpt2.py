@@ -8,7 +8,7 @@ from vlens.runtime.transfer.messages import HookError
 
 
 @pytest.mark.parametrize(
-    "name", ["blocks.0.ln1.hook_scale", "blocks.0.ln2.hook_normalized", "blocks.0.hook_k_input"]
+    "name", ["blocks.0.ln1.hook_scale", "blocks.0.ln2.hook_normalized", "ln_final.hook_scale"]
 )
 def test_computed_names_are_read_only(hooked, name: str):
     with pytest.raises(HookError, match="cannot be written back"):
