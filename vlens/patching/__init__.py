@@ -73,6 +73,7 @@ from transformer_lens.patching import (
 )
 
 from vlens.names.tl_versions import get_act_name
+from vlens.patching.attribution import attribution
 from vlens.patching.sweep import as_tokens, make_sweep, run_sweeps
 
 __all__ = [
@@ -105,6 +106,7 @@ __all__ = [
     "get_act_patch_block_every",
     "get_act_patch_direct_path",
     "get_act_patch_direct_path_all_sources",
+    "attribution",
 ]
 
 # ---- TransformerLens's functions --------------------------------------------------------------
