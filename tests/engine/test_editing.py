@@ -163,3 +163,16 @@ def test_add_and_reset_hooks(hooked):
     model.reset_hooks(including_permanent=True)
     model.run_with_hooks("Hi")
     assert calls == ["temp", "perm", "perm"]
+
+
+@pytest.mark.parametrize("name", ["hook_resid_pre", "hook_resid_mid", "hook_resid_post"])
+def test_replaced_residual_holds_the_hooks_value_exactly(hooked, name: str):
+    """A residual written over vLLM's fused ``(hidden, residual)`` pair holds the hook's value,
+    not the value plus rounding: zeros stay zeros through the next RMSNorm, and a bias-free
+    Llama's attention then outputs exact zeros (a residue of 1e-6 would come out of the norm
+    amplified to 1e-3)."""
+    layer = LAYER if name != "hook_resid_post" else LAYER - 1
+    after = f"blocks.{LAYER}.attn.hook_z" if name != "hook_resid_mid" else f"blocks.{LAYER}.mlp.hook_post"
+    with hooked("llama").hooks(fwd_hooks=[(f"blocks.{layer}.{name}", lambda x, hook: x * 0)]):
+        _, cache = hooked("llama").run_with_cache(TEXT, names_filter=after)
+    assert cache[after].abs().max().item() == 0.0

@@ -18,7 +18,7 @@ from typing import Any
 
 from einops import rearrange
 from jaxtyping import Float
-from torch import Tensor
+from torch import Tensor, zeros_like
 
 from vlens.runtime.vocabulary.locations import Argument, SiteCall, Split
 
@@ -48,9 +48,11 @@ class OutputOf:
         return value if self.plus is None else value + call.output(self.plus)
 
     def write(self, call: SiteCall, new: Tensor) -> None:
-        """A sum is edited through its first term, which the next computation reads."""
+        """A sum is written as ``(new, 0)``: the next computation adds the two terms, so it reads
+        ``new`` exactly (a difference added to the first term would leave rounding residue, which
+        a replacement by zeros followed by a norm amplifies)."""
         if self.plus is not None:
-            new = call.output(self.element) + (new - self(call))
+            call.assign_output(self.plus, zeros_like(call.output(self.plus)))
         call.assign_output(self.element, new, self.shards)
 
 
@@ -75,10 +77,13 @@ class InputOf:
         return value
 
     def write(self, call: SiteCall, new: Tensor) -> None:
-        """A sum is edited through its first argument; the module adds the second itself."""
+        """A sum is written as ``(new, 0)``: the module adds the second argument itself, so it
+        reads ``new`` exactly."""
         first = self.argument
         if self.plus is not None:
-            new = call.argument(first.index, first.name) + (new - self(call))
+            other = call.argument(self.plus.index, self.plus.name)
+            if other is not None:
+                call.assign_argument(self.plus.index, self.plus.name, zeros_like(other))
         call.assign_argument(first.index, first.name, new, first.shards)
 
 
