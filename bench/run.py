@@ -91,6 +91,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "gpu": GPU_PRESET,
     # Llama-3-8B's shape: a second model shape for the two-GPU runs
     "gpu-llama": {**GPU_PRESET, "model": "dummy-llama3-8b", "layer": 16},
+    "gpu-short": {**GPU_PRESET, "model": "dummy-qwen3-8b-v49k"},
     "cpu": {
         "model": "smollm2",
         "dtype": "float32",
@@ -181,7 +182,12 @@ LLAMA3_8B = {
 
 #: The presets' model shapes with dummy weights, and the tiny checkpoint of the same family whose
 #: tokenizer they borrow.
-DUMMY_SHAPES = {"dummy-qwen3-8b": (QWEN3_8B, "qwen3"), "dummy-llama3-8b": (LLAMA3_8B, "llama")}
+DUMMY_SHAPES = {
+    "dummy-qwen3-8b": (QWEN3_8B, "qwen3"),
+    "dummy-llama3-8b": (LLAMA3_8B, "llama"),
+    # a shorter step: Qwen3-8B's shape with a 49,152-token vocabulary, which shows per-step costs
+    "dummy-qwen3-8b-v49k": ({**QWEN3_8B, "vocab_size": 49152}, "qwen3"),
+}
 
 
 #: A Qwen3 of ~0.3 B parameters (16 layers, d_model 1024, GQA 16/8 heads of 64, d_mlp 3072,
@@ -492,20 +498,23 @@ def worker_graph(preset: dict[str, Any], path: Path, timer: Timer, every_layer: 
 
 
 def worker_hooks(
-    preset: dict[str, Any], path: Path, timer: Timer, profile: Path | None, every_layer: bool
+    preset: dict[str, Any], path: Path, timer: Timer, profile: Path | None, kind: str
 ) -> None:
     """TransformerLens hook functions on a compiled engine: every layer's ``hook_resid_post``
-    declared in ``compiled_hooks`` (else one layer's); nothing registered, one shared steering
-    function at one layer, one function reading one layer, and (every layer declared) a function
-    that does nothing at every layer."""
+    declared in ``compiled_hooks`` (``hooks``), one layer's (``hooks_1``) or every name
+    (``hooks_every``); nothing registered, one shared steering function at one layer, one
+    function reading one layer, and (every layer declared) a function that does nothing at every
+    layer. The engine's load time goes into the results' header."""
     import torch
 
     n_layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
     one = f"blocks.{preset['layer']}.hook_resid_post"
     every = [f"blocks.{i}.hook_resid_post" for i in range(n_layers)]
-    kind = "hooks" if every_layer else "hooks_1"
-    model, llm, prompts, n_prompt = vlens_engine(
-        preset, path, timer, compiled_hooks=every if every_layer else [one])
+    declared = {"hooks": every, "hooks_1": [one], "hooks_every": lambda name: True}[kind]
+    start = time.perf_counter()
+    model, llm, prompts, n_prompt = vlens_engine(preset, path, timer, compiled_hooks=declared)
+    timer.meta[f"{kind}_load_s"] = round(time.perf_counter() - start, 1)
+    every_layer = kind != "hooks_1"
     new = preset["new_tokens"]
     vector = torch.randn(model.cfg.d_model, generator=torch.Generator().manual_seed(1))
     read: list[torch.Tensor] = []
@@ -539,14 +548,14 @@ def worker_hooks(
         timer.measure(f"{kind}_steer", "generate", lambda: generated(new, [(one, steer)]), rep=rep)
         timer.measure(f"{kind}_read", "generate", lambda: generated(new, [(one, look)]), rep=rep)
         if every_layer:
-            timer.measure("hooks_nothing_all", "generate",
+            timer.measure(f"{kind}_nothing_all", "generate",
                           lambda: generated(new, [(name, nothing) for name in every]), rep=rep)
     if profile is not None:
         short = preset["profile_new_tokens"]
         runs = [(f"{kind} steer generate", lambda: generated(short, [(one, steer)])),
                 (f"{kind} read generate", lambda: generated(short, [(one, look)]))]
         if every_layer:
-            runs.append(("hooks nothing at every layer",
+            runs.append((f"{kind} nothing at every layer",
                          lambda: generated(short, [(name, nothing) for name in every])))
         write_profile(profile, len(prompts), short, tuple(runs))
 
@@ -644,7 +653,9 @@ def worker_compiled(
     if piecewise:
         engine["compilation_config"] = {"cudagraph_mode": "PIECEWISE"}
     kind = "compiled_piecewise" if piecewise else "compiled"
+    start = time.perf_counter()
     llm = LLM(model=str(path), dtype=preset["dtype"], enforce_eager=False, **engine)
+    timer.meta[f"{kind}_load_s"] = round(time.perf_counter() - start, 1)
     from transformers import AutoConfig
 
     prompts = prompts_for(preset, AutoConfig.from_pretrained(path).vocab_size)
@@ -744,13 +755,14 @@ def worker_transformer_lens(preset: dict[str, Any], path: Path, timer: Timer) ->
 
 # ---- the orchestrating process -----------------------------------------------------------------
 
-WORKERS = ("eager", "compiled", "compiled_piecewise", "graph_1", "graph_all", "hooks", "hooks_1", "hf",
+WORKERS = ("eager", "compiled", "compiled_piecewise", "graph_1", "graph_all", "hooks", "hooks_1",
+           "hooks_every", "hf",
            "transformer_lens", "sae_steer", "sae_top_k", "sae_splice")
 
 
 #: Seconds each worker may take (``--timeouts`` overrides), so that one run ends in time.
 TIMEOUTS = {"eager": 300, "compiled": 150, "compiled_piecewise": 150, "graph_1": 300, "graph_all": 300, "hooks": 300,
-            "hooks_1": 300, "hf": 80,
+            "hooks_1": 300, "hooks_every": 400, "hf": 80,
             "transformer_lens": 300, "sae_steer": 300, "sae_top_k": 300, "sae_splice": 300}
 
 
@@ -819,6 +831,10 @@ LABELS = {
     "hooks_steer": "vlens compiled_hooks: generate, a hook function steering one layer",
     "hooks_read": "vlens compiled_hooks: generate, a hook function cloning one layer per step",
     "hooks_nothing_all": "vlens compiled_hooks: generate, a hook doing nothing at every layer",
+    "hooks_every_idle": "vlens compiled, every name in compiled_hooks, no vlens request",
+    "hooks_every_steer": "vlens, every name declared: generate, a hook function steering one layer",
+    "hooks_every_read": "vlens, every name declared: generate, a hook function cloning one layer",
+    "hooks_every_nothing_all": "vlens, every name declared: generate, a no-op hook at every layer",
     "hooks_1_idle": "vlens compiled, one layer in compiled_hooks, no vlens request",
     "hooks_1_steer": "vlens compiled_hooks (one layer): generate, a hook function steering it",
     "hooks_1_read": "vlens compiled_hooks (one layer): generate, a hook function cloning it",
@@ -858,6 +874,9 @@ def markdown(meta: dict[str, Any], best: dict[tuple[str, str], dict[str, Any]]) 
         f"Command: `{meta['command']}`",
         "",
         *memory_lines(meta),
+        *[f"Load ({key.removesuffix('_load_s')}): {value} s" for key, value in meta.items()
+          if key.endswith("_load_s")],
+        "",
         "| tier | workload | tokens | seconds | tokens/s | ratio to plain eager "
         "| ratio to plain compiled |",
         "| --- | --- | --- | --- | --- | --- | --- |",
@@ -916,10 +935,9 @@ def main(argv: list[str] | None = None) -> int:
                             piecewise=args.worker == "compiled_piecewise")
         elif args.worker in ("graph_1", "graph_all"):
             worker_graph(preset, args.model_path, timer, every_layer=args.worker == "graph_all")
-        elif args.worker in ("hooks", "hooks_1"):
+        elif args.worker in ("hooks", "hooks_1", "hooks_every"):
             profile = args.out / "profile.txt" if args.profile else None
-            worker_hooks(preset, args.model_path, timer, profile,
-                         every_layer=args.worker == "hooks")
+            worker_hooks(preset, args.model_path, timer, profile, args.worker)
         elif args.worker == "transformer_lens":
             worker_transformer_lens(preset, args.model_path, timer)
         elif args.worker.startswith("sae_"):

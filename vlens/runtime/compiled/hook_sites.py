@@ -11,7 +11,8 @@ such ops as CUDA graphs and runs the op itself eagerly between them (piecewise m
 
 Full CUDA graphs (vLLM's decode steps, in its default mode) capture the whole step in one graph;
 there the op breaks the capture (:mod:`vlens.runtime.compiled.breaks`), so that a replay calls into
-Python at each declared site, between captured segments that keep attention inside them.
+Python at each site some request of the step uses, between captured segments that keep attention
+inside them, and launches the segments between two such sites as one graph.
 
 What runs inside is the eager engine's own machinery (:class:`~vlens.runtime.worker.WorkerRuntime`
 handling the call as if a torch hook had fired), so hook functions have the eager engine's
@@ -56,7 +57,7 @@ def hook_site(tensors: list[Tensor], layout: list[int], keywords: str, site: int
     from vllm.utils.torch_utils import weak_ref_tensor
 
     buffers = [weak_ref_tensor(tensor) for tensor in tensors]
-    graph.add_eager(lambda: _run_site(buffers, layout, keywords, site))
+    graph.add_site(site, lambda: _run_site(buffers, layout, keywords, site))
 
 
 def _run_site(tensors: list[Tensor], layout: list[int], keywords: str, site: int) -> None:
@@ -100,6 +101,11 @@ _library.define("call_site(Tensor[] read, Tensor(a!)[] written, int[] layout, st
                 "int site) -> ()")
 _library.impl("call_site", call_site, "CompositeExplicitAutograd")
 torch.library.register_fake(CALL_OP, _no_call_output, lib=_library)
+
+
+def active_sites() -> set[int]:
+    """The live set of active site numbers (read by the graphs that break at the sites)."""
+    return _active
 
 
 def activate(numbers: Iterable[int], active: bool) -> None:

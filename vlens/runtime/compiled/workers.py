@@ -23,6 +23,7 @@ import cloudpickle
 
 from vlens.runtime.compiled.breaks import segment_graphs_at_hook_sites
 from vlens.runtime.compiled.graph import GraphName, install_graph_sites
+from vlens.runtime.compiled.hook_sites import active_sites
 from vlens.runtime.compiled.inline import InlineRequests
 from vlens.runtime.worker import GRAPH_ATTRIBUTE, RUNTIME_ATTRIBUTE, runtime_of
 
@@ -47,7 +48,7 @@ class InstallsGraphSites:
         sites = install_graph_sites(self.model_runner, names)  # type: ignore[attr-defined]
         setattr(self, GRAPH_ATTRIBUTE, sites)
         if sites.hook_sites and not current_platform.is_cpu():  # before vLLM captures its graphs
-            segment_graphs_at_hook_sites()
+            segment_graphs_at_hook_sites(active_sites())
 
     def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         """vLLM's step, after following the served requests that carry their plans
