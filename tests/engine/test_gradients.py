@@ -1,7 +1,8 @@
 """Gradients on the twin of the checkpoint: backward hooks, ``incl_bwd`` caches and gradients
 through forward hooks equal TransformerLens's bridge's on the same checkpoint (fp32, ≤ 1e-4
-relative); the twin's forward equals the engine's; calls without gradients stay on vLLM; what
-the twin cannot honour yet is refused."""
+relative); the twin's forward equals the engine's, with SAEs added and steering too, and gives
+an SAE's feature gradients; calls without gradients stay on vLLM; what the twin cannot honour yet
+is refused."""
 
 from __future__ import annotations
 
@@ -103,21 +104,74 @@ def test_added_backward_hooks_last_until_reset(hooked):
     assert not logits.requires_grad  # back on vLLM
 
 
-def test_what_the_twin_cannot_honour_yet_is_refused(hooked, tmp_path):
+def test_an_added_sae_runs_on_the_twin_with_feature_gradients(hooked, tmp_path):
+    from vlens.sae import SAE
     from vlens.testing.saes import random_sae
+
+    model = hooked("llama")
+    tokens = model.to_tokens(TEXT)
+    sae = SAE.load_from_disk(random_sae(tmp_path / "sae", d_in=model.cfg.d_model, hook_name=NAME,
+                                        apply_b_dec_to_input=False))
+    features = f"{NAME}.hook_sae_acts_post"
+    names = [NAME, features, "blocks.1.hook_resid_post"]
+    model.add_sae(sae, use_error_term=False)
+    try:
+        engine_logits, engine = model.run_with_cache(tokens, names_filter=names)
+        _, twin = model.run_with_cache(tokens, names_filter=names, return_type="loss",
+                                       incl_bwd=True)
+        seen: list[Tensor] = []
+        with model.hooks(bwd_hooks=[(features, lambda grad, hook: seen.append(grad))]):
+            twin_logits = model(tokens)
+            metric(twin_logits).backward()
+    finally:
+        model.reset_saes()
+    for name in names:  # the twin computes on with the SAE's output, as the engine does
+        assert_relative(twin[name], engine[name])
+    assert_relative(twin_logits.detach(), engine_logits)
+    # the features' gradient: the spliced name's (the SAE's output) through the decoder
+    assert_relative(twin[f"{features}_grad"], twin[f"{NAME}_grad"] @ sae.W_dec.detach().T)
+    assert len(seen) == 1 and seen[0].abs().max() > 0
+    assert not model.needs_gradients()
+    _, plain = model.run_with_cache(tokens, names_filter=[NAME], incl_bwd=True,
+                                    return_type="loss")  # the SAE is gone from the twin too
+    assert (plain[NAME] - twin[NAME]).abs().max() > 1e-3
+
+
+def test_steering_runs_on_the_twin(hooked):
+    from vlens import Steer
+
+    model = hooked("llama")
+    prompts = [model.to_tokens(TEXT)[0, :9].tolist(), model.to_tokens(TEXT)[0, :6].tolist()]
+    generator = torch.Generator().manual_seed(0)
+    direction = torch.randn(model.cfg.d_model, generator=generator)
+    steering = [Steer("blocks.1.hook_resid_pre", gain=1.5, positions=slice(1, None, 2))]
+    prompt_steering = [[Steer(NAME, add=direction, scale=2.0, positions=[1, 3])],
+                       [Steer(NAME, ablate=direction, positions=slice(2, None))]]
+    names = [NAME, "blocks.1.hook_resid_pre", "blocks.1.hook_resid_post"]
+    steers = {"steering": steering, "prompt_steering": prompt_steering,
+              "padding_side": "right", "names_filter": names}
+    engine_logits, engine = model.run_with_cache(prompts, **steers)
+    _, unsteered = model.run_with_cache(prompts, names_filter=names, padding_side="right")
+    with model.hooks(bwd_hooks=[(NAME, lambda grad, hook: None)]):
+        twin_logits, twin = model.run_with_cache(prompts, **steers)
+    assert twin_logits.requires_grad  # on the twin
+    for index, prompt in enumerate(prompts):  # the real positions (the twin's batch is padded)
+        real = slice(0, len(prompt))
+        for name in names:
+            assert_relative(twin[name][index, real], engine[name][index, real])
+            assert (engine[name][index, real] - unsteered[name][index, real]).abs().max() > 1e-3
+        assert_relative(twin_logits[index, real].detach(), engine_logits[index, real])
+
+
+def test_what_the_twin_cannot_honour_yet_is_refused(hooked):
+    from vlens import SAESteer
 
     model = hooked("llama")
     tokens = model.to_tokens(TEXT)
     with pytest.raises(NotImplementedError, match="max_new_tokens"):
         model.run_with_cache(tokens, incl_bwd=True, max_new_tokens=2)
-    from vlens.sae import SAE
-
-    sae = SAE.load_from_disk(random_sae(tmp_path / "sae", d_in=model.cfg.d_model, hook_name=NAME))
-    model.add_sae(sae)
-    try:
-        with pytest.raises(NotImplementedError, match="add_sae"):
-            model.run_with_cache(tokens, incl_bwd=True, return_type="loss")
-    finally:
-        model.reset_saes()
+    with pytest.raises(ValueError, match="compiled_saes"):  # an SAE of the graph: none here
+        model.run_with_cache(tokens, incl_bwd=True, return_type="loss",
+                             steering=[SAESteer("sae", features=[0], clamp=0.0)])
     with pytest.raises(MemoryError, match="gradient_twin\\(device='cpu'\\)"):
         check_fits(2**60, torch.device("cpu"))

@@ -11,7 +11,8 @@ autograd, and so runs on the twin:
 - ``run_with_cache(..., incl_bwd=True)``, which runs the backward itself, as TransformerLens does.
 
 Everything else stays on vLLM. The forward hooks added on the model (and a call's own) run on
-the twin too, with TransformerLens's ``hook`` argument. The twin is built on first need (once),
+the twin too, with TransformerLens's ``hook`` argument, and so do the SAEs added with ``add_sae``
+and a call's ``Steer`` values (:mod:`vlens.hooked.twin_edits`). The twin is built on first need (once),
 on the engine's device unless :meth:`Gradients.gradient_twin` is given another, after a check
 that its weights fit there; :meth:`Gradients.free_gradient_twin` lets it go.
 """
@@ -29,6 +30,7 @@ import torch
 
 from vlens.engine.checkpoint import Checkpoint
 from vlens.hooked.hook_registry import HookRegistry
+from vlens.hooked.twin_edits import TwinHook, TwinSplice
 from vlens.names.tl_versions import HAS_BRIDGE
 from vlens.runtime.transfer.messages import HookFunction
 
@@ -57,6 +59,7 @@ class Gradients:
 
     _twin: Any = None
     _backward: tuple[BackwardHook, ...] = ()
+    _splices: dict[str, TwinSplice]  # the SAEs spliced into the twin, by the name each replaces
 
     def gradient_twin(self, device: str | torch.device | None = None) -> Any:
         """The twin that computes gradients (TransformerLens's ``TransformerBridge`` on this
@@ -83,6 +86,8 @@ class Gradients:
         twin.eval()
         logger.info("vlens: the gradient twin is built on %s (%.2f GiB of weights)", where,
                     need / 2**30)
+        self._splices = {}
+        self._sync_saes(twin)
         for hook in self._backward:
             twin.add_hook(hook.name, hook.function, dir="bwd", is_permanent=hook.permanent)
         self._twin = twin
@@ -92,6 +97,7 @@ class Gradients:
         """Let the twin go (its memory with it); the next call that needs gradients builds it
         again, with the backward hooks still registered."""
         self._twin = None
+        self._splices = {}
 
     # ---- backward hooks ----------------------------------------------------------------------
 
@@ -100,6 +106,8 @@ class Gradients:
         """Backward hooks for the calls to come (on the twin, when it is built)."""
         hooks = tuple(BackwardHook(name, function, permanent) for name in names)
         self._backward += hooks
+        if self._twin is not None:
+            self._sync_saes(self._twin)
         for hook in hooks if self._twin is not None else ():
             self._twin.add_hook(hook.name, hook.function, dir="bwd", is_permanent=permanent)
 
@@ -126,6 +134,7 @@ class Gradients:
         self._backward = hooks
         if self._twin is not None:
             self._twin.reset_hooks(including_permanent=True)
+            self._sync_saes(self._twin)
             for hook in hooks:
                 self._twin.add_hook(hook.name, hook.function, dir="bwd", is_permanent=hook.permanent)
 
@@ -134,10 +143,29 @@ class Gradients:
 
     # ---- calls on the twin -------------------------------------------------------------------
 
+    def _sync_saes(self, twin: Any) -> None:
+        """The twin's SAEs made the model's: those taken out or replaced since, taken out (their
+        hook points with them), those added since, spliced in."""
+        attached = self._saes()
+        for name, splice in list(self._splices.items()):
+            now = attached.get(name)
+            if now is None or now.sae is not splice.sae or now.use_error_term != splice.use_error_term:
+                splice.unregister(twin)
+                del self._splices[name]
+        for name, now in attached.items():
+            if name not in self._splices:
+                stages = [hook_name[len(name) + 1:] for hook_name in now.names]
+                self._splices[name] = TwinSplice(now.sae, name, stages, now.use_error_term)
+                self._splices[name].register(twin)
+
     @contextmanager
-    def on_twin(self, what: str, refused: dict[str, bool]) -> Iterator[Any]:
-        """The twin with the model's forward hooks added for the block; ``refused``: the call's
-        arguments the twin cannot honour, by name, each True where given."""
+    def on_twin(
+        self, what: str, refused: dict[str, bool], steering: Sequence[tuple[str, TwinHook]] = ()
+    ) -> Iterator[Any]:
+        """The twin with, for the block, the SAEs spliced in, then the model's forward hooks,
+        then ``steering`` (:func:`~vlens.hooked.twin_edits.steering_hooks`): the engine's order
+        at a name; ``refused``: the call's arguments the twin cannot honour, by name, each True
+        where given."""
         given = [name for name, present in refused.items() if present]
         if given:
             raise NotImplementedError(
@@ -145,14 +173,12 @@ class Gradients:
                 f"{', '.join(given)} yet: use forward hooks (fwd_hooks), or call without "
                 f"backward hooks"
             )
-        if self._saes():
-            raise NotImplementedError(
-                f"{what} with backward hooks runs on the gradient twin, where SAEs added with "
-                f"add_sae are not spliced in yet: reset_saes() first, or splice the SAE with a "
-                f"forward hook"
-            )
         twin = self.gradient_twin()
-        forward = [(hook.name, hook.function) for hook in self.registry.added]
+        self._sync_saes(twin)
+        forward: list[tuple[str, TwinHook]] = [
+            (splice.name, splice.hook) for splice in self._splices.values()]
+        forward += [(hook.name, hook.function) for hook in self.registry.added]
+        forward += steering
         with twin.hooks(fwd_hooks=forward, reset_hooks_end=True):
             yield twin
 

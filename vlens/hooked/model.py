@@ -27,6 +27,7 @@ from vlens.hooked.module_surface import ModuleSurface
 from vlens.hooked.outputs import Output, ReturnType, check_return_type, model_output
 from vlens.hooked.saes import SAEMethods
 from vlens.hooked.tokens import Input, TokenMethods, prepare_tokenizer
+from vlens.hooked.twin_edits import TwinHook, steering_hooks
 from vlens.hooked.views import ModelViews
 from vlens.names.compiled import LOGITS
 from vlens.names.raw import RawLocations, SourceListing
@@ -308,10 +309,11 @@ class HookedVLLM(TokenMethods, GenerateMethods, ModelViews, ModuleSurface, SAEMe
         """
         check_return_type(return_type)
         if self.needs_gradients(incl_bwd):
-            refused = {"steering": bool(steering), "prompt_steering": prompt_steering is not None,
-                       "prompt_hooks": prompt_hooks is not None, "max_new_tokens": max_new_tokens > 0,
+            refused = {"prompt_hooks": prompt_hooks is not None, "max_new_tokens": max_new_tokens > 0,
                        "stop_at_layer": stop_at_layer is not None}
-            with self.on_twin("run_with_cache", refused) as twin:
+            steers = self._twin_steering(input, prepend_bos, padding_side, steering,
+                                         prompt_steering)
+            with self.on_twin("run_with_cache", refused, steers) as twin:
                 tokens = self.to_tokens(input, prepend_bos, padding_side).to(twin.cfg.device)
                 return twin.run_with_cache(
                     tokens, names_filter=self.checkpoint.planner.names(names_filter),
@@ -345,6 +347,25 @@ class HookedVLLM(TokenMethods, GenerateMethods, ModelViews, ModuleSurface, SAEMe
         if remove_batch_dim:
             cache.remove_batch_dim(len(prompts))
         return output, (cache if return_cache_object else dict(cache.cache_dict))
+
+    def _twin_steering(
+        self,
+        input: Input,
+        prepend_bos: bool | None,
+        padding_side: Literal["left", "right"] | None,
+        steering: Sequence[AnySteer],
+        prompt_steering: Sequence[Sequence[AnySteer]] | None,
+    ) -> list[tuple[str, TwinHook]]:
+        """A call's steers as forward hooks of the gradient twin, on the padded batch that
+        :meth:`to_tokens` makes of ``input``."""
+        if not steering and prompt_steering is None:
+            return []
+        prompts = self.token_lists(input, prepend_bos, padding_side)
+        steers = self.checkpoint.planner.steering(steering, prompt_steering, len(prompts))
+        lengths = [len(prompt) for prompt in prompts]
+        left = self._padding_side(padding_side) == "left"
+        starts = [max(lengths) - length if left else 0 for length in lengths]
+        return steering_hooks(steers, starts, lengths)
 
     def _hooks_per_prompt(
         self,

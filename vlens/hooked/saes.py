@@ -58,6 +58,7 @@ class SAEMethods:
     registry: HookRegistry
     run_with_cache: Any
     run_with_hooks: Any
+    remove_backward_hooks: Any
     _attached: dict[str, Attached]
 
     @property
@@ -217,6 +218,8 @@ class SAEMethods:
         gone = set(attached.names)
         checkpoint.rules.spliced -= gone
         self.registry.added = [hook for hook in self.registry.added if hook.name not in gone]
+        for stage_name in attached.names:
+            self.remove_backward_hooks(stage_name, True)
         specs = {n: s for n, s in checkpoint.hook_specs.items() if n not in gone}
         checkpoint.set_names(specs, set(checkpoint.canonical_names) - gone)
         self._forget_views()
