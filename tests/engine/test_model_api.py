@@ -179,8 +179,8 @@ def test_what_vllm_cannot_start_from_is_refused(models):
     model, _ = models
     with pytest.raises(NotImplementedError, match="hook_resid_pre"):
         model(TEXT, start_at_layer=1)
-    with pytest.raises(NotImplementedError, match="sampler.hook_logits"):
-        model.generate(TEXT, max_new_tokens=2, freq_penalty=1.0)
+    with pytest.raises(ValueError, match="freq_penalty.*at most 2"):
+        model.generate(TEXT, max_new_tokens=2, freq_penalty=3.0)
     with pytest.raises(ValueError, match="return_type"):
         model(TEXT, return_type="bogus")
 
@@ -211,3 +211,24 @@ def test_a_filter_that_accepts_no_name_adds_nothing_and_says_so(models):
     assert not model.registry.added
     with pytest.raises(KeyError):
         model.add_hook("blocks.0.hook_nowhere", print)
+
+
+def test_freq_penalty_is_transformer_lens_s(models):
+    """TransformerLens samples from ``logits / T - freq_penalty · count`` (prompt and generated
+    tokens counted): with ``top_k=1`` that is a deterministic argmax, computed here from the
+    engine's own logits token by token."""
+    model, _ = models
+    prompt = model.to_tokens(TEXT)[0].tolist()
+    penalty, temperature, new = 1.5, 1.2, 8
+    expected = list(prompt)
+    for _ in range(new):
+        logits = model(torch.tensor([expected]))[0, -1]
+        counts = torch.bincount(torch.tensor(expected), minlength=logits.shape[-1])
+        expected.append(int((logits / temperature - penalty * counts).argmax()))
+    sampled = model.generate(torch.tensor([prompt]), max_new_tokens=new, top_k=1,
+                             temperature=temperature, freq_penalty=penalty, stop_at_eos=False,
+                             return_type="tokens")
+    greedy = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False,
+                            freq_penalty=penalty, stop_at_eos=False, return_type="tokens")
+    assert list(sampled[0]) == expected
+    assert list(greedy[0]) != expected, "the penalty changed nothing on this prompt"

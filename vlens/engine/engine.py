@@ -129,8 +129,9 @@ class Engine:
     def run(
         self, prompts: list[list[int]], plans: list[RequestPlan], params: Any, device: str = "cpu"
     ) -> Run:
-        """Submit ``prompts`` together, each followed by its plan, with sampling ``params``; the
-        kept values come back on ``device``. A failure in one request's hooks is raised after
+        """Submit ``prompts`` together, each followed by its plan, with sampling ``params`` (one
+        ``SamplingParams``, or one per prompt, alike but for per-prompt fields); the kept values
+        come back on ``device``. A failure in one request's hooks is raised after
         the call (the engine keeps serving)."""
         if self.broken is not None:
             raise RuntimeError(
@@ -191,10 +192,12 @@ class Engine:
         call = next(_call_ids)
         tags = [f"{call}:{index}" for index in range(len(prompts))]
         request_params, inputs = [], []
-        for tag, plan, prompt in zip(tags, plans, prompts):
+        each = params if isinstance(params, list) else [params] * len(prompts)
+        params = each[0]
+        for tag, plan, prompt, given in zip(tags, plans, prompts, each):
             # Shallow: vLLM deep-copies each request's parameters itself when it takes them in.
-            own = copy.copy(params)
-            own.extra_args = {**(params.extra_args or {}), TAG_KEY: tag}
+            own = copy.copy(given)
+            own.extra_args = {**(given.extra_args or {}), TAG_KEY: tag}
             use = cache_use(plan)
             own.skip_reading_prefix_cache = skips_reading(own, use)
             request_params.append(own)

@@ -4,6 +4,7 @@ prefill and at every decode step, each prompt one vLLM request."""
 from __future__ import annotations
 
 import warnings
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from numbers import Integral, Real
@@ -81,11 +82,6 @@ class GenerateMethods:
         """
         from vllm import SamplingParams
 
-        if freq_penalty:
-            raise NotImplementedError(
-                "freq_penalty: TransformerLens counts prompt and generated tokens, vLLM's "
-                "frequency_penalty only generated ones; edit sampler.hook_logits in a hook instead"
-            )
         check_max_new_tokens(max_new_tokens, least=1)
         check_generate_return_type(return_type)
         check_sampling(temperature, top_k, top_p)
@@ -99,15 +95,20 @@ class GenerateMethods:
             padding_side=self._padding_side(padding_side),
         )
         stops = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
-        params = SamplingParams(
-            max_tokens=int(max_new_tokens),
-            temperature=float(temperature) if do_sample else 0.0,
-            top_p=1.0 if top_p is None else float(top_p),
-            top_k=0 if top_k is None else int(top_k),
-            seed=seed,
-            ignore_eos=not stop_at_eos or bool(stops),
-            stop_token_ids=stops if stop_at_eos else [],
-        )
+        temperature = float(temperature) if do_sample else 0.0
+        params = [
+            SamplingParams(
+                max_tokens=int(max_new_tokens),
+                temperature=temperature,
+                top_p=1.0 if top_p is None else float(top_p),
+                top_k=0 if top_k is None else int(top_k),
+                seed=seed,
+                ignore_eos=not stop_at_eos or bool(stops),
+                stop_token_ids=stops if stop_at_eos else [],
+                **frequency_penalty(freq_penalty, temperature, prompt),
+            )
+            for prompt in prompts
+        ]
         run = self.engine.run(prompts, call.plans, params)
         if return_type == "result":
             return [
@@ -149,6 +150,28 @@ class GenerateMethods:
             f"model with a larger max_model_len (from_pretrained(..., max_model_len=...)).",
             stacklevel=3,
         )
+
+
+def frequency_penalty(penalty: float, temperature: float, prompt: list[int]) -> dict[str, Any]:
+    """TransformerLens's ``freq_penalty`` as vLLM's sampling parameters. TransformerLens
+    subtracts ``penalty`` × (the token's count in the prompt and the tokens generated so far) from
+    the logits after dividing them by the temperature, and not at all when greedy; vLLM applies
+    its penalties and logit biases before the temperature, and its ``frequency_penalty`` counts
+    generated tokens only. So: ``frequency_penalty = penalty · T`` for the generated tokens, and
+    the prompt's counts as a fixed logit bias of ``-penalty · T · count``."""
+    check_argument("freq_penalty", penalty, _is_real, lambda p: p >= 0, "a number >= 0")
+    if not penalty or temperature == 0:
+        return {}
+    scaled = float(penalty) * temperature
+    if scaled > 2:
+        raise ValueError(
+            f"freq_penalty={penalty} at temperature={temperature} is a penalty of {scaled:g} per "
+            f"occurrence before the temperature, and vLLM takes at most 2 (its frequency_penalty "
+            f"range): lower freq_penalty or the temperature so that their product is at most 2"
+        )
+    counts = Counter(prompt)
+    return {"frequency_penalty": scaled,
+            "logit_bias": {token: -scaled * count for token, count in counts.items()}}
 
 
 def check_max_new_tokens(max_new_tokens: object, least: int) -> None:
