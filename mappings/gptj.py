@@ -58,6 +58,13 @@ LAYER = "transformer.h.{layer}"
 ATTN = f"{LAYER}.attn"
 MLP = f"{LAYER}.mlp"
 BLOCK = "blocks.{layer}"
+#: Why TransformerLens's bridge gives no reference where its adapter wraps the attention in a plain
+#: ``AttentionBridge`` (GPT-J, OPT).
+PLAIN_ATTENTION_BRIDGE = (
+    "TransformerLens's bridge refuses per-head results and split q/k/v inputs for this "
+    "architecture's attention (its plain AttentionBridge supports neither set_use_attn_result "
+    "nor set_use_split_qkv_input)"
+)
 
 
 def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
@@ -164,9 +171,5 @@ MAPPING = ArchitectureMapping(
     unavailable=parallel_block_error,
     tiny_configs={"gptj": tiny_config},
     hf_recorder="hf_gptj",
-    no_bridge_reference=(
-        "TransformerLens's bridge refuses per-head results and split q/k/v inputs for GPT-J's "
-        "attention (its AttentionBridge supports neither set_use_attn_result nor "
-        "set_use_split_qkv_input)"
-    ),
+    no_bridge_reference=PLAIN_ATTENTION_BRIDGE,
 )

@@ -156,7 +156,7 @@ class AnalysisWeights:
         centred = names.normalization == "LN"
         return Norm(
             centred=centred,
-            eps=getattr(self.config, names.eps),
+            eps=names.eps if isinstance(names.eps, float) else getattr(self.config, names.eps),
             weight=self.require(w, layer),
             bias=self.get(b, layer) if centred else None,
             offset=names.norm_offset,

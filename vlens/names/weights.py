@@ -72,7 +72,9 @@ class WeightNames:
     """
 
     normalization: Literal["RMS", "LN"]
-    eps: str  # the config attribute holding the norms' epsilon
+    #: The config attribute holding the norms' epsilon, or the epsilon itself where the config
+    #: has none (OPT's norms are torch's LayerNorm with its default).
+    eps: str | float
     W_E: str
     W_pos: str | None = None
     W_Q: str | None = None
