@@ -297,9 +297,12 @@ class ArchitectureMapping:
 
 def attention_dimensions(config: Any) -> tuple[int, int, int]:
     """Query heads, key/value heads and head size of a HuggingFace config (a config without
-    ``head_dim`` splits ``hidden_size`` evenly over the query heads)."""
+    ``head_dim`` splits ``hidden_size`` evenly over the query heads; Falcon's ``multi_query``
+    outside its new decoder architecture means one key/value head)."""
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if getattr(config, "multi_query", False) and not getattr(config, "new_decoder_architecture", True):
+        kv_heads = 1
     return heads, kv_heads, getattr(config, "head_dim", None) or config.hidden_size // heads
 
 
