@@ -91,7 +91,9 @@ def test_added_backward_hooks_last_until_reset(hooked):
     model = hooked("llama")
     tokens = model.to_tokens(TEXT)
     seen: list[Tensor] = []
-    model.add_hook(NAME, lambda grad, hook: seen.append(grad), dir="bwd")
+    names: list[str] = []
+    model.add_hook(NAME, lambda grad, hook: seen.append(grad) or names.append(hook.name),
+                   dir="bwd")
     assert model.blocks[0].hook_resid_post.has_hooks(dir="bwd")
     try:
         metric(model(tokens)).backward()
@@ -99,6 +101,7 @@ def test_added_backward_hooks_last_until_reset(hooked):
     finally:
         model.reset_hooks()
     assert len(seen) == 2 and torch.equal(seen[0], seen[1])
+    assert names == [NAME, NAME]  # vlens's name, where the bridge's point is blocks.0.hook_out
     assert not model.needs_gradients()
     logits = model(tokens)
     assert not logits.requires_grad  # back on vLLM

@@ -31,6 +31,9 @@ import torch
 from vlens.engine.checkpoint import Checkpoint
 from vlens.hooked.hook_registry import HookRegistry
 from vlens.hooked.twin_edits import TwinHook, TwinSplice
+from vlens.names.mapping import per_sample
+from vlens.names.resolve import is_pattern
+from vlens.names.rules import NameOrFilter
 from vlens.names.tl_versions import HAS_BRIDGE
 from vlens.runtime.transfer.messages import HookFunction
 
@@ -46,6 +49,37 @@ class BackwardHook:
     name: str
     function: HookFunction
     permanent: bool
+    by_filter: bool  # added by a pattern or filter, not by its name
+
+    @property
+    def on_twin(self) -> HookFunction:
+        return named(self.function, self.name)
+
+
+class NamedHookPoint:
+    """A twin's hook point as a hook function added at ``name`` sees it: named as vlens names it
+    (the bridge's own point of an alias has the bridge's name, ``blocks.0.hook_in`` for
+    ``blocks.0.hook_resid_pre``), everything else the point's."""
+
+    def __init__(self, point: Any, name: str) -> None:
+        self._point = point
+        self.name = name
+
+    def __getattr__(self, attribute: str) -> Any:
+        return getattr(self._point, attribute)
+
+    def layer(self) -> int:
+        return int(self.name.split(".")[1])
+
+
+def named(function: HookFunction, name: str) -> HookFunction:
+    """``function`` for the twin: its ``hook`` argument named ``name``."""
+
+    def on_twin(tensor: Any, hook: Any) -> Any:
+        return function(tensor, hook=NamedHookPoint(hook, name))
+
+    on_twin.__qualname__ = getattr(function, "__qualname__", "hook")
+    return on_twin
 
 
 class Gradients:
@@ -88,8 +122,7 @@ class Gradients:
                     need / 2**30)
         self._splices = {}
         self._sync_saes(twin)
-        for hook in self._backward:
-            twin.add_hook(hook.name, hook.function, dir="bwd", is_permanent=hook.permanent)
+        add_backward_hooks(twin, self._backward)
         self._twin = twin
         return twin
 
@@ -101,15 +134,26 @@ class Gradients:
 
     # ---- backward hooks ----------------------------------------------------------------------
 
-    def add_backward_hook(self, names: Sequence[str], function: HookFunction,
+    def add_backward_hook(self, name_or_filter: NameOrFilter, function: HookFunction,
                           permanent: bool) -> None:
-        """Backward hooks for the calls to come (on the twin, when it is built)."""
-        hooks = tuple(BackwardHook(name, function, permanent) for name in names)
+        """Backward hooks for the calls to come (on the twin, when it is built), at the names
+        ``name_or_filter`` stands for that have a gradient: the sampler's names, read after the
+        forward, have none (refused by name, passed over by a pattern or filter)."""
+        rules = self.registry.rules
+        by_name = isinstance(name_or_filter, str) and not is_pattern(name_or_filter)
+        names = rules.hook_names(name_or_filter)
+        if by_name and any(per_sample(rules.specs[name]) for name in names):
+            raise ValueError(
+                f"{name_or_filter} is read after the forward (the sampler's), so nothing has a "
+                f"gradient there: hook a name of the forward (e.g. the logits at "
+                f"unembed.hook_out)"
+            )
+        hooks = tuple(BackwardHook(name, function, permanent, not by_name) for name in names
+                      if not per_sample(rules.specs[name]))
         self._backward += hooks
         if self._twin is not None:
             self._sync_saes(self._twin)
-        for hook in hooks if self._twin is not None else ():
-            self._twin.add_hook(hook.name, hook.function, dir="bwd", is_permanent=permanent)
+            add_backward_hooks(self._twin, hooks)
 
     def remove_backward_hooks(self, name: str | None, including_permanent: bool) -> None:
         """The backward hooks at ``name`` (None: every name) removed, the permanent ones too
@@ -135,8 +179,7 @@ class Gradients:
         if self._twin is not None:
             self._twin.reset_hooks(including_permanent=True)
             self._sync_saes(self._twin)
-            for hook in hooks:
-                self._twin.add_hook(hook.name, hook.function, dir="bwd", is_permanent=hook.permanent)
+            add_backward_hooks(self._twin, hooks)
 
     def needs_gradients(self, incl_bwd: bool = False) -> bool:
         return incl_bwd or bool(self._backward)
@@ -177,10 +220,37 @@ class Gradients:
         self._sync_saes(twin)
         forward: list[tuple[str, TwinHook]] = [
             (splice.name, splice.hook) for splice in self._splices.values()]
-        forward += [(hook.name, hook.function) for hook in self.registry.added]
+        forward += [(hook.name, named(hook.function, hook.name)) for hook in self.registry.added]
         forward += steering
+        admit(twin, [name for name, _ in forward])
         with twin.hooks(fwd_hooks=forward, reset_hooks_end=True):
             yield twin
+
+
+def add_backward_hooks(twin: Any, hooks: Sequence[BackwardHook]) -> None:
+    """``hooks`` on the twin. The bridge's switches are turned on for the names hooked by name;
+    a pattern or filter passes over the names they gate, as it does on the bridge (turning
+    ``use_attn_in`` on takes ``ln1``'s hook points out of the bridge's backward pass)."""
+    admit(twin, [hook.name for hook in hooks if not hook.by_filter])
+    for hook in hooks:
+        if not (hook.by_filter and twin._gated_hook_reason(hook.name)):
+            twin.add_hook(hook.name, hook.on_twin, dir="bwd", is_permanent=hook.permanent)
+
+
+def admit(twin: Any, names: Sequence[str]) -> None:
+    """The twin's switches for ``names`` turned on (TransformerLens's bridge forms
+    ``hook_attn_in``, the split q/k/v inputs, ``hook_mlp_in`` and per-head ``hook_result`` only
+    when asked, as vlens does not need to be)."""
+    wanted = {reason for name in names if (reason := twin._gated_hook_reason(name)) is not None}
+    if {"use_attn_in", "use_split_qkv_input"} <= wanted | {
+            flag for flag in ("use_attn_in", "use_split_qkv_input") if getattr(twin.cfg, flag, False)}:
+        raise NotImplementedError(
+            "the gradient twin (TransformerLens's bridge) forms hook_attn_in or the split "
+            "hook_q_input / hook_k_input / hook_v_input, not both: hook one kind per call "
+            "(model.free_gradient_twin() starts a twin afresh)"
+        )
+    for reason in sorted(wanted):
+        getattr(twin, f"set_{reason}")(True)
 
 
 def check_fits(weights: int, device: torch.device) -> int:

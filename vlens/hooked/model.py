@@ -21,7 +21,7 @@ from vlens.engine.planning import HooksByName
 from vlens.hooked.cache import VLensCache
 from vlens.hooked.config import ModelConfig
 from vlens.hooked.generation import GenerateMethods, check_max_new_tokens
-from vlens.hooked.gradients import Gradients
+from vlens.hooked.gradients import Gradients, admit
 from vlens.hooked.hook_registry import FwdHooks, HookRegistry
 from vlens.hooked.module_surface import ModuleSurface
 from vlens.hooked.outputs import Output, ReturnType, check_return_type, model_output
@@ -168,7 +168,7 @@ class HookedVLLM(TokenMethods, GenerateMethods, ModelViews, ModuleSurface, SAEMe
             self.raw.admit(name)
             self.registry.add(name, hook, is_permanent)
         if dir != "fwd":
-            self.add_backward_hook(self.registry.rules.hook_names(name), hook, is_permanent)
+            self.add_backward_hook(name, hook, is_permanent)
 
     def reset_hooks(self, clear_contexts: bool = True, including_permanent: bool = False) -> None:
         self.registry.reset(including_permanent)
@@ -315,8 +315,13 @@ class HookedVLLM(TokenMethods, GenerateMethods, ModelViews, ModuleSurface, SAEMe
                                          prompt_steering)
             with self.on_twin("run_with_cache", refused, steers) as twin:
                 tokens = self.to_tokens(input, prepend_bos, padding_side).to(twin.cfg.device)
+                names = self.checkpoint.planner.names(names_filter)
+                if isinstance(names_filter, str | list | tuple):
+                    admit(twin, names)
+                else:  # a filter passes over the names the bridge gates, as on the bridge
+                    names = [name for name in names if not twin._gated_hook_reason(name)]
                 return twin.run_with_cache(
-                    tokens, names_filter=self.checkpoint.planner.names(names_filter),
+                    tokens, names_filter=names,
                     return_type=return_type, loss_per_token=loss_per_token, incl_bwd=incl_bwd,
                     remove_batch_dim=remove_batch_dim, return_cache_object=return_cache_object,
                 )
