@@ -164,10 +164,15 @@ class AnalysisWeights:
 
     def output_logits(self, logits: Float[Tensor, "... d_vocab"]) -> Float[Tensor, "... d_vocab"]:
         """``ln_final(x) @ W_U + b_U`` as the model outputs it: divided by
-        ``WeightNames.logit_divisor`` where it names one, then soft-capped."""
-        attribute = self.names.logit_divisor
-        divisor = None if attribute is None else getattr(self.config, attribute, None)
-        return self.soft_capped(logits if divisor is None else logits / divisor)
+        ``WeightNames.logit_divisor`` and multiplied by ``WeightNames.logit_scale`` where they
+        name one, then soft-capped."""
+        divisor = self._config_value(self.names.logit_divisor)
+        scale = self._config_value(self.names.logit_scale)
+        logits = logits if divisor is None else logits / divisor
+        return self.soft_capped(logits if scale is None else logits * scale)
+
+    def _config_value(self, attribute: str | None) -> float | None:
+        return None if attribute is None else getattr(self.config, attribute, None)
 
     def soft_capped(self, logits: Float[Tensor, "... d_vocab"]) -> Float[Tensor, "... d_vocab"]:
         """The logits as the model caps them (``WeightNames.logit_soft_cap``), or as they are."""
@@ -206,8 +211,11 @@ class NormWeights:
 
     @property
     def b(self) -> Float[Tensor, " d_model"] | None:
-        if self._analysis.names.normalization == "RMS":  # as TransformerLens's RMSNorm bridge
+        names = self._analysis.names
+        if names.normalization == "RMS":  # as TransformerLens's RMSNorm bridge
             raise AttributeError(f"{self._analysis.architecture}'s RMSNorm has no bias (b)")
+        if getattr(names, self._fields[1]) is None:  # a LayerNorm without bias (Cohere's)
+            raise AttributeError(f"{self._analysis.architecture}'s LayerNorm has no bias (b)")
         return self._analysis.get(self._fields[1], self._layer)
 
     def __call__(self, x: Float[Tensor, "... d_model"]) -> Float[Tensor, "... d_model"]:

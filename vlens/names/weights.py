@@ -117,3 +117,6 @@ class WeightNames:
     #: The config attribute the logits are divided by, before any soft cap (Granite's
     #: ``logits_scaling``), where the architecture scales them.
     logit_divisor: str | None = None
+    #: The config attribute the logits are multiplied by (Cohere's ``logit_scale``), where the
+    #: architecture scales them so.
+    logit_scale: str | None = None
