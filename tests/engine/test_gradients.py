@@ -178,3 +178,14 @@ def test_what_the_twin_cannot_honour_yet_is_refused(hooked):
                              steering=[SAESteer("sae", features=[0], clamp=0.0)])
     with pytest.raises(MemoryError, match="gradient_twin\\(device='cpu'\\)"):
         check_fits(2**60, torch.device("cpu"))
+
+
+def test_transformer_lens_switches_reach_the_twin(hooked):
+    model = hooked("llama")
+    twin = model.gradient_twin()
+    model.set_use_attn_result(True)
+    try:
+        assert twin.cfg.use_attn_result
+    finally:
+        model.set_use_attn_result(False)
+    assert not twin.cfg.use_attn_result

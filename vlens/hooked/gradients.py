@@ -94,6 +94,7 @@ class Gradients:
     _twin: Any = None
     _backward: tuple[BackwardHook, ...] = ()
     _splices: dict[str, TwinSplice]  # the SAEs spliced into the twin, by the name each replaces
+    _switches: tuple[tuple[str, bool], ...] = ()  # the model's set_use_* calls, for the twin
 
     def gradient_twin(self, device: str | torch.device | None = None) -> Any:
         """The twin that computes gradients (TransformerLens's ``TransformerBridge`` on this
@@ -122,6 +123,8 @@ class Gradients:
                     need / 2**30)
         self._splices = {}
         self._sync_saes(twin)
+        for switch, value in self._switches:
+            getattr(twin, f"set_{switch}")(value)
         add_backward_hooks(twin, self._backward)
         self._twin = twin
         return twin
@@ -131,6 +134,14 @@ class Gradients:
         again, with the backward hooks still registered."""
         self._twin = None
         self._splices = {}
+
+    def switch_twin(self, switch: str, value: bool) -> None:
+        """TransformerLens's ``set_{switch}(value)`` on the twin, now and when it is built: the
+        engine offers those names always, but the bridge forms them (and caches their
+        gradients) only when switched on."""
+        self._switches += ((switch, value),)
+        if self._twin is not None:
+            getattr(self._twin, f"set_{switch}")(value)
 
     # ---- backward hooks ----------------------------------------------------------------------
 

@@ -398,14 +398,21 @@ class HookedVLLM(TokenMethods, GenerateMethods, ModelViews, ModuleSurface, SAEMe
     # ---- TransformerLens's settings ----------------------------------------------------------
 
     def set_use_attn_result(self, use_attn_result: bool) -> None:
-        """Accepted: ``attn.hook_result`` is always offered (computed from ``hook_z`` and W_O),
-        and hooks on it edit the attention output."""
+        """The engine always offers ``attn.hook_result`` (computed from ``hook_z`` and W_O; hooks
+        on it edit the attention output); the gradient twin is switched as the bridge is."""
+        self.switch_twin("use_attn_result", use_attn_result)
 
     def set_use_split_qkv_input(self, use_split_qkv_input: bool) -> None:
-        """Accepted: ``hook_q_input`` / ``hook_k_input`` / ``hook_v_input`` are always offered."""
+        """The engine always offers ``hook_q_input`` / ``hook_k_input`` / ``hook_v_input``; the
+        gradient twin is switched as the bridge is."""
+        self.switch_twin("use_split_qkv_input", use_split_qkv_input)
 
     def set_use_hook_mlp_in(self, use_hook_mlp_in: bool) -> None:
-        """Accepted: ``hook_mlp_in`` is always offered."""
+        """The engine always offers ``hook_mlp_in``; the gradient twin is switched as the bridge
+        is."""
+        self.switch_twin("use_hook_mlp_in", use_hook_mlp_in)
 
     def set_use_attn_in(self, use_attn_in: bool) -> None:
-        """Accepted: ``hook_attn_in`` is always offered."""
+        """The engine always offers ``hook_attn_in``; the gradient twin is switched as the bridge
+        is."""
+        self.switch_twin("use_attn_in", use_attn_in)
