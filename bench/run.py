@@ -378,7 +378,7 @@ def worker_eager(
 
     def steered(max_new: int) -> int:
         out = model.generate(prompts, max_new_tokens=max_new, do_sample=False, stop_at_eos=False,
-                             fwd_hooks=[(one, steer)], return_type="tokens")
+                             fwd_hooks=[(one, steer)], return_type="input")
         return sum(len(o) for o in out) - n_prompt
 
     # warm-up: kernels, the hook path, the sampler
@@ -466,7 +466,7 @@ def worker_graph(preset: dict[str, Any], path: Path, timer: Timer, every_layer: 
 
     def generated(max_new: int, **asked: Any) -> int:
         out = model.generate(prompts, max_new_tokens=max_new, do_sample=False, stop_at_eos=False,
-                             return_type="tokens", **asked)
+                             return_type="input", **asked)
         return sum(len(o) for o in out) - n_prompt
 
     def steered(max_new: int) -> int:
@@ -539,7 +539,7 @@ def worker_hooks(
     def generated(max_new: int, hooks: list) -> int:
         read.clear()
         out = model.generate(prompts, max_new_tokens=max_new, do_sample=False, stop_at_eos=False,
-                             return_type="tokens", fwd_hooks=hooks)
+                             return_type="input", fwd_hooks=hooks)
         return sum(len(o) for o in out) - n_prompt
 
     generated(2, [(one, steer)])
@@ -601,7 +601,7 @@ def worker_saes(preset: dict[str, Any], path: Path, timer: Timer, kind: str) -> 
 
     def generated(max_new: int, **asked: Any) -> int:
         out = model.generate(prompts, max_new_tokens=max_new, do_sample=False, stop_at_eos=False,
-                             return_type="tokens", **asked)
+                             return_type="input", **asked)
         return sum(len(o) for o in out) - n_prompt
 
     clamps = [[SAESteer("res", features=[(97 * i + 5) % sae.cfg.d_sae], clamp=8.0)]

@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def generated(**asked: Any) -> None:
         model.generate(prompts, max_new_tokens=new, do_sample=False, stop_at_eos=False,
-                       return_type="tokens", **asked)
+                       return_type="input", **asked)
 
     workloads = {
         "plain": plain,

@@ -189,7 +189,7 @@ def test_a_hooked_prompt_leaves_the_other_bit_for_bit(hooked):
         second = [("sampler.hook_logits", recorder(label, 1))]
         return model.generate(
             [TEXT, OTHER], max_new_tokens=4, do_sample=False, stop_at_eos=False,
-            return_type="tokens", prompt_hooks=[first, second],
+            return_type="result", prompt_hooks=[first, second],
         )
 
     hooked_tokens = run("hooked", [(pattern(), uniform_over_previous)])
@@ -213,7 +213,7 @@ def test_generation_with_a_pattern_hook_equals_transformer_lens(hooked, arch: st
     generated = model.generate(
         TEXT, max_new_tokens=5, do_sample=False, stop_at_eos=False, return_type="tokens",
         fwd_hooks=[(pattern(), uniform)],
-    )[0]
+    )[0].tolist()
     with torch.no_grad(), bridge(arch).hooks(fwd_hooks=[(pattern(), uniform_over_previous)]):
         expected = bridge(arch).generate(
             model.to_tokens(TEXT), max_new_tokens=5, do_sample=False, stop_at_eos=False,
@@ -262,7 +262,7 @@ def test_a_preempted_request_recomputes_its_history(hooked):
 
     def generate(model, function) -> list[list[int]]:
         return model.generate(  # per-prompt hooks: the small engine splits long prefills
-            prompts, max_new_tokens=20, do_sample=False, stop_at_eos=False, return_type="tokens",
+            prompts, max_new_tokens=20, do_sample=False, stop_at_eos=False, return_type="result",
             prompt_hooks=[[(pattern(), function)]] * len(prompts),
         )
 

@@ -380,18 +380,18 @@ def test_generate_runs_a_shared_hook_on_the_batch_at_decode_steps(hooked):
 
     hooks = [("blocks.1.hook_resid_post", steer)]
     batched = model.generate(clean, max_new_tokens=5, do_sample=False, stop_at_eos=False,
-                             fwd_hooks=hooks, return_type="tokens")
+                             fwd_hooks=hooks, return_type="result")
     d_model, everyone = model.cfg.d_model, tuple(range(BATCH))
     assert shapes[0] == ((BATCH, LENGTH, d_model), everyone)
     assert shapes[1:] == [((BATCH, 1, d_model), everyone)] * 4
     alone = [
         model.generate(prompt[None], max_new_tokens=5, do_sample=False, stop_at_eos=False,
-                       fwd_hooks=hooks, return_type="tokens")[0]
+                       fwd_hooks=hooks, return_type="result")[0]
         for prompt in clean
     ]
     assert batched == alone
     plain = model.generate(clean, max_new_tokens=5, do_sample=False, stop_at_eos=False,
-                           return_type="tokens")
+                           return_type="result")
     assert batched != plain, "the steer must change the tokens for the test to mean anything"
 
 
@@ -409,12 +409,12 @@ def test_generate_pattern_hook_on_the_batch_at_decode_steps(hooked):
 
     name = "blocks.1.attn.hook_pattern"
     batched = model.generate(clean, max_new_tokens=3, do_sample=False, stop_at_eos=False,
-                             fwd_hooks=[(name, uniform)], return_type="tokens")
+                             fwd_hooks=[(name, uniform)], return_type="result")
     heads = model.cfg.n_heads
     assert shapes == [(BATCH, heads, LENGTH, LENGTH), (BATCH, heads, 1, LENGTH + 1),
                       (BATCH, heads, 1, LENGTH + 2)]
     alone = model.generate(clean, max_new_tokens=3, do_sample=False, stop_at_eos=False,
-                           prompt_hooks=[[(name, uniform)]] * BATCH, return_type="tokens")
+                           prompt_hooks=[[(name, uniform)]] * BATCH, return_type="result")
     assert batched == alone
 
 
@@ -453,7 +453,7 @@ def test_prompts_of_different_lengths_decode_as_one_batch(llama):
         x[hook.positions >= 4] += vector.to(x.device)
 
     name = "blocks.1.hook_resid_post"
-    kwargs = dict(max_new_tokens=4, do_sample=False, stop_at_eos=False, return_type="tokens")
+    kwargs = dict(max_new_tokens=4, do_sample=False, stop_at_eos=False, return_type="result")
     together = model.generate(texts, fwd_hooks=[(name, steer_late_rows)], **kwargs)
     prefill, decodes = seen[0], seen[1:]
     assert prefill[:3] == ((3, max(lengths)), (0, 1, 2), (0, 0, 0))

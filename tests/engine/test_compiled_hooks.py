@@ -21,7 +21,7 @@ from vlens.runtime.compiled import hook_sites
 
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)  # fp32: the compiled graph's kernels against eager ones
 TEXTS = ["The cat sat on the mat", "Hello world, this is"]
-GREEDY = dict(do_sample=False, stop_at_eos=False, return_type="tokens")
+GREEDY = dict(do_sample=False, stop_at_eos=False, return_type="result")
 RESID = "blocks.1.hook_resid_post"
 
 
@@ -274,7 +274,7 @@ tokens = {}
 for label, names in (("eager", ()), ("compiled", ["blocks.1.attn.hook_pattern"])):
     model = HookedVLLM.from_pretrained(path, compiled_hooks=names)
     tokens[label] = model.generate(prompt, max_new_tokens=6, do_sample=False,
-                                   return_type="tokens")
+                                   return_type="tokens").tolist()
 print(json.dumps(tokens))
 """
 

@@ -17,7 +17,7 @@ from vlens.testing.saes import random_sae
 from vlens.testing.tiny import tiny_model
 
 TEXTS = ["The cat sat on the mat", "Hello world, this is"]
-GREEDY = dict(do_sample=False, stop_at_eos=False, return_type="tokens")
+GREEDY = dict(do_sample=False, stop_at_eos=False, return_type="result")
 #: fp32: the compiled graph's kernels (and the SAE's edit as ``x + (f' − f)·W_dec``) against the
 #: eager engine's, which decodes the edited features and adds the clean error term
 TOLERANCE = dict(rtol=1e-4, atol=1e-4)

@@ -85,12 +85,15 @@ def test_steering_one_request_leaves_the_other_alone(hooked):
     a, b = "The first prompt is steered", "The second one is not, and it is longer than the first"
     vector = torch.randn(model.cfg.d_model, generator=torch.Generator().manual_seed(3)) * 4
     steer = [("blocks.1.hook_resid_post", lambda x, hook: x + vector)]
+    def new(prompt: str, **hooks) -> list[int]:
+        return model.generate(prompt, max_new_tokens=8, do_sample=False, return_type="result",
+                              **hooks)[0].tokens
+
     both = model.generate([a, b], max_new_tokens=8, do_sample=False, prompt_hooks=[steer, []],
-                          return_type="tokens")
-    assert both[1] == model.generate(b, max_new_tokens=8, do_sample=False, return_type="tokens")[0]
-    assert both[0] == model.generate(a, max_new_tokens=8, do_sample=False, fwd_hooks=steer,
-                                     return_type="tokens")[0]
-    assert both[0] != model.generate(a, max_new_tokens=8, do_sample=False, return_type="tokens")[0]
+                          return_type="result")
+    assert both[1].tokens == new(b)
+    assert both[0].tokens == new(a, fwd_hooks=steer)
+    assert both[0].tokens != new(a)
 
     _, mixed = model.run_with_cache([a, b], names_filter="blocks.2.hook_resid_post",
                                     prompt_hooks=[steer, []])

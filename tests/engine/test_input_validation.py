@@ -87,7 +87,7 @@ def test_valid_prompts_still_run(model):
     _, cache = model.run_with_cache(torch.tensor([ids, ids]), names_filter=[])
     assert cache.tokens.dtype == torch.long
     greedy = model.generate(TEXT, max_new_tokens=2, do_sample=False, return_type="tokens")
-    assert model.generate(torch.tensor(ids), max_new_tokens=2, do_sample=False) == greedy
+    assert torch.equal(model.generate(torch.tensor(ids), max_new_tokens=2, do_sample=False), greedy)
     texts = model.generate([TEXT, "A dog"], max_new_tokens=2, do_sample=False)
     assert texts[0].startswith(TEXT) and texts[1].startswith("A dog")
 

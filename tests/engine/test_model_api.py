@@ -116,11 +116,25 @@ def test_generate_takes_transformer_lens_arguments(models):
     )
     assert same == plain
     tokens = model.generate(TEXT, max_new_tokens=4, do_sample=False, return_type="tokens")
-    stop = tokens[0][model.to_tokens(TEXT).shape[1]]  # the first generated token
+    assert isinstance(tokens, torch.Tensor) and tokens.shape == (1, model.to_tokens(TEXT).shape[1] + 4)
+    stop = int(tokens[0, model.to_tokens(TEXT).shape[1]])  # the first generated token
     stopped = model.generate(
         TEXT, max_new_tokens=4, do_sample=False, eos_token_id=stop, return_type="tokens"
     )
     assert stopped[0][-1] == stop and len(stopped[0]) == model.to_tokens(TEXT).shape[1] + 1
+
+
+def test_generate_returns_transformer_lens_s_token_batch(models):
+    """A tensor in, TransformerLens's ``[batch, pos]`` tensor of prompt and new tokens out."""
+    model, bridge = models
+    tokens = model.to_tokens(TEXT).repeat(2, 1)
+    tokens[1, 1:] = tokens[1, 1:].flip(0)  # two prompts of one length: no padding to differ on
+    ours = model.generate(tokens, max_new_tokens=3, do_sample=False, stop_at_eos=False)
+    with torch.no_grad():
+        theirs = bridge.generate(tokens, max_new_tokens=3, do_sample=False, stop_at_eos=False,
+                                 verbose=False)
+    assert isinstance(ours, torch.Tensor) and ours.shape == (2, tokens.shape[1] + 3)
+    assert torch.equal(ours, theirs.cpu())
 
 
 def test_transformer_lens_settings_are_accepted(models):
@@ -230,5 +244,5 @@ def test_freq_penalty_is_transformer_lens_s(models):
                              return_type="tokens")
     greedy = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False,
                             freq_penalty=penalty, stop_at_eos=False, return_type="tokens")
-    assert list(sampled[0]) == expected
-    assert list(greedy[0]) != expected, "the penalty changed nothing on this prompt"
+    assert sampled[0].tolist() == expected
+    assert greedy[0].tolist() != expected, "the penalty changed nothing on this prompt"

@@ -53,7 +53,7 @@ def test_plain_requests_share_the_cache_and_generate_the_same(cached, uncached):
     prompts = [prompt(1, 20, SHARED), prompt(2, 30, SHARED)]
     ours = cached.generate(prompts, max_new_tokens=6, return_type="tokens", do_sample=False)
     theirs = uncached.generate(prompts, max_new_tokens=6, return_type="tokens", do_sample=False)
-    assert ours == theirs
+    assert torch.equal(ours, theirs)
     assert cached_tokens(cached, prompt(3, 5, SHARED)) >= 2 * BLOCK
 
 
@@ -114,10 +114,10 @@ def test_steered_tokens_equal_those_without_the_cache(hooked, uncached, tier):
                                      do_sample=False, steering=[steer])
             theirs = uncached.generate(prompts, max_new_tokens=5, return_type="tokens",
                                        do_sample=False, steering=[steer])
-            assert ours == theirs, steer
+            assert torch.equal(ours, theirs), steer
     plain = compiled.generate(prompts, max_new_tokens=5, return_type="tokens", do_sample=False)
-    assert plain == uncached.generate(prompts, max_new_tokens=5, return_type="tokens",
-                                      do_sample=False)
+    assert torch.equal(plain, uncached.generate(prompts, max_new_tokens=5, return_type="tokens",
+                                                do_sample=False))
 
 
 # ---- the rules ---------------------------------------------------------------------------------

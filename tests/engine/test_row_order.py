@@ -73,7 +73,7 @@ def test_steering_stays_in_its_request_when_rows_are_reversed(hooked, reversed_b
         return x + vector.to(x.device, x.dtype)
 
     name = "blocks.1.hook_resid_post"
-    kwargs = dict(max_new_tokens=6, do_sample=False, stop_at_eos=False, return_type="tokens")
+    kwargs = dict(max_new_tokens=6, do_sample=False, stop_at_eos=False, return_type="result")
     plain = [model.generate(text, **kwargs)[0] for text in TEXTS]
     steered = model.generate(TEXTS[0], fwd_hooks=[(name, steer)], **kwargs)[0]
     assert steered != plain[0], "the steering vector changed nothing: the test proves nothing"
@@ -102,7 +102,7 @@ def test_a_batch_hook_edits_each_prompt_s_rows_in_either_row_order(hooked, rever
         return lambda x, hook: x + (1.0 + index) * vector.to(x.device, x.dtype)
 
     name = "blocks.1.hook_resid_post"
-    kwargs = dict(max_new_tokens=5, do_sample=False, stop_at_eos=False, return_type="tokens")
+    kwargs = dict(max_new_tokens=5, do_sample=False, stop_at_eos=False, return_type="result")
     one_by_one = model.generate(TEXTS, prompt_hooks=[[(name, steer_one(i))] for i in range(3)],
                                 **kwargs)
     in_order = model.generate(TEXTS, fwd_hooks=[(name, steer_by_index)], **kwargs)

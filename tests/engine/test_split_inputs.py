@@ -105,14 +105,14 @@ def test_split_edits_per_prompt_and_over_decode_steps(hooked):
     model = hooked("llama")
     name = split("hook_q_input")
     both = model.generate([TEXT, OTHER], max_new_tokens=5, do_sample=False, stop_at_eos=False,
-                          return_type="tokens", prompt_hooks=[[(name, push_head_1)], []])
+                          return_type="result", prompt_hooks=[[(name, push_head_1)], []])
     alone = model.generate([TEXT], max_new_tokens=5, do_sample=False, stop_at_eos=False,
-                           return_type="tokens", fwd_hooks=[(name, push_head_1)])
+                           return_type="result", fwd_hooks=[(name, push_head_1)])
     plain = model.generate([OTHER], max_new_tokens=5, do_sample=False, stop_at_eos=False,
-                           return_type="tokens")
+                           return_type="result")
     assert both[0] == alone[0] and both[1] == plain[0]
     unedited = model.generate([TEXT], max_new_tokens=5, do_sample=False, stop_at_eos=False,
-                              return_type="tokens")
+                              return_type="result")
     assert alone[0] != unedited[0], "the edit changed nothing"
 
 

@@ -68,7 +68,7 @@ def test_eager_steer_equals_the_same_hook_function(hooked):
 
     prompts = [[4, 8, 15, 16, 23], [42, 7]]
     options = {"max_new_tokens": 6, "do_sample": False, "stop_at_eos": False,
-               "return_type": "tokens"}
+               "return_type": "input"}
     steer = Steer(name, add=vector, positions=slice(2, None))
     by_data = model.generate(prompts, steering=[steer], **options)
     by_hook = model.generate(prompts, fwd_hooks=[(name, add_from_position_two)], **options)

@@ -45,10 +45,10 @@ def test_steering_a_split_value_equals_one_rank(two_ranks, hooked):
         z[:, :] += shift.to(z.device)  # in place, on the whole value: written back as each rank's slice
 
     hooks = [[("blocks.1.attn.hook_z", steer)], []]  # prompt 0 only
-    ours = parallel.generate(TEXTS, max_new_tokens=6, do_sample=False, prompt_hooks=hooks, return_type="tokens")
-    theirs = single.generate(TEXTS, max_new_tokens=6, do_sample=False, prompt_hooks=hooks, return_type="tokens")
+    ours = parallel.generate(TEXTS, max_new_tokens=6, do_sample=False, prompt_hooks=hooks, return_type="result")
+    theirs = single.generate(TEXTS, max_new_tokens=6, do_sample=False, prompt_hooks=hooks, return_type="result")
     assert ours == theirs
-    assert ours[0] != single.generate(TEXTS[0], max_new_tokens=6, do_sample=False, return_type="tokens")[0]
+    assert ours[0] != single.generate(TEXTS[0], max_new_tokens=6, do_sample=False, return_type="result")[0]
 
 
 def test_editing_a_partial_sum_over_ranks_equals_one_rank(two_ranks, hooked):
@@ -64,11 +64,11 @@ def test_editing_a_partial_sum_over_ranks_equals_one_rank(two_ranks, hooked):
         return value * 0.5 + shift.to(value.device)
 
     hooks = [[("blocks.1.mlp.hook_shared_out", steer)], []]  # prompt 0 only
-    options = dict(max_new_tokens=6, do_sample=False, return_type="tokens", prompt_hooks=hooks)
+    options = dict(max_new_tokens=6, do_sample=False, return_type="result", prompt_hooks=hooks)
     ours = parallel.generate(TEXTS, **options)
     assert ours == single.generate(TEXTS, **options)
     assert ours[0] != single.generate(TEXTS[0], max_new_tokens=6, do_sample=False,
-                                      return_type="tokens")[0]
+                                      return_type="result")[0]
 
 
 def test_a_shared_hook_on_the_batch_equals_one_rank(two_ranks, hooked):
@@ -84,10 +84,10 @@ def test_a_shared_hook_on_the_batch_equals_one_rank(two_ranks, hooked):
         z[1] += shift.to(z.device)
 
     hooks = [("blocks.1.attn.hook_z", steer_second)]
-    ours = parallel.generate(tokens, max_new_tokens=6, do_sample=False, fwd_hooks=hooks, return_type="tokens")
-    theirs = single.generate(tokens, max_new_tokens=6, do_sample=False, fwd_hooks=hooks, return_type="tokens")
+    ours = parallel.generate(tokens, max_new_tokens=6, do_sample=False, fwd_hooks=hooks, return_type="result")
+    theirs = single.generate(tokens, max_new_tokens=6, do_sample=False, fwd_hooks=hooks, return_type="result")
     assert ours == theirs
-    plain = single.generate(tokens, max_new_tokens=6, do_sample=False, return_type="tokens")
+    plain = single.generate(tokens, max_new_tokens=6, do_sample=False, return_type="result")
     assert ours[0] == plain[0] and ours[1] != plain[1]
 
 
@@ -147,7 +147,7 @@ def test_compiled_two_ranks_steer_as_one_eager_rank(compiled_two_ranks, hooked):
         Steer("blocks.1.mlp.hook_post", gain=torch.full((single.cfg.d_mlp,), 1.5)),
     ]
     steers = [steer for steer in steers if steer.name in COMPILED_STEERED[arch]]
-    options = dict(max_new_tokens=6, do_sample=False, stop_at_eos=False, return_type="tokens")
+    options = dict(max_new_tokens=6, do_sample=False, stop_at_eos=False, return_type="result")
     ours = parallel.generate(TEXTS, prompt_steering=[steers, []], **options)
     theirs = single.generate(TEXTS, prompt_steering=[steers, []], **options)
     plain = single.generate(TEXTS, **options)

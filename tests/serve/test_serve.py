@@ -88,13 +88,13 @@ def test_a_steered_and_a_plain_completion_in_one_batch_equal_generate(client, ho
             lambda job: complete(client, *job), [(prompts[0], steer), (prompts[1], None)]
         )
     expected = model.generate(
-        prompts, max_new_tokens=8, do_sample=False, stop_at_eos=False, return_type="tokens",
+        prompts, max_new_tokens=8, do_sample=False, stop_at_eos=False, return_type="input",
         prompt_steering=[[Steer(STEERED, add=up, scale=6.0, positions=slice(3, None))], []],
     )
     assert prompts[0] + new_tokens(steered) == expected[0]
     assert prompts[1] + new_tokens(plain) == expected[1]
     unsteered = model.generate(prompts[0], max_new_tokens=8, do_sample=False, stop_at_eos=False,
-                               return_type="tokens")
+                               return_type="input")
     assert expected[0] != unsteered[0]  # the steering changed the tokens
 
 
@@ -249,7 +249,7 @@ def test_chat_completions_steer_and_capture(client, server, hooked, up):
     prompt = list(steered.model_extra["prompt_token_ids"])
     tokens = list(steered.choices[0].model_extra["token_ids"])
     expected = hooked("llama").generate(
-        prompt, max_new_tokens=6, do_sample=False, stop_at_eos=False, return_type="tokens",
+        prompt, max_new_tokens=6, do_sample=False, stop_at_eos=False, return_type="input",
         steering=[Steer(STEERED, add=up, scale=6.0)],
     )
     assert prompt + tokens == expected[0]
@@ -477,7 +477,7 @@ def test_a_compiled_server_steers_and_captures_in_its_graph(compiled_server, hoo
               "capture": ["blocks.0.hook_resid_post"]}
     response = complete(client, prompt, fields)
     expected = model.generate(prompt, max_new_tokens=8, do_sample=False, stop_at_eos=False,
-                              return_type="tokens", steering=[Steer(STEERED, add=vector, scale=6.0)])
+                              return_type="input", steering=[Steer(STEERED, add=vector, scale=6.0)])
     assert prompt + new_tokens(response) == expected[0]
     values = load(fetch(compiled_server, response.model_extra["vlens"]["activations"]))
     _, cache = model.run_with_cache(prompt, names_filter="blocks.0.hook_resid_post", max_new_tokens=8,
@@ -515,10 +515,10 @@ def test_compiled_plans_travel_inside_the_request(compiled_server, hooked, tmp_p
         responses = list(pool.map(lambda p: complete(client, p, fields), prompts))
     steer = Steer(STEERED, add=vector, scale=6.0, positions=slice(4, None))
     expected = model.generate(prompts, max_new_tokens=8, do_sample=False, stop_at_eos=False,
-                              return_type="tokens", steering=[steer])
+                              return_type="input", steering=[steer])
     assert [p + new_tokens(r) for p, r in zip(prompts, responses)] == expected
     assert expected != model.generate(prompts, max_new_tokens=8, do_sample=False,
-                                      stop_at_eos=False, return_type="tokens")
+                                      stop_at_eos=False, return_type="input")
     assert all(r.model_extra.get("vlens") is None for r in responses)  # nothing captured
     sae = SAE.load_from_disk(random_sae(tmp_path / "sae", d_in=128, d_sae=48, hook_name=SAE_AT,
                                         seed=5))
@@ -531,7 +531,7 @@ def test_compiled_plans_travel_inside_the_request(compiled_server, hooked, tmp_p
 
     with model.saes(saes=[sae], use_error_term=True):
         expected = model.generate(prompts[0], max_new_tokens=8, do_sample=False,
-                                  stop_at_eos=False, return_type="tokens",
+                                  stop_at_eos=False, return_type="input",
                                   fwd_hooks=[(f"{SAE_AT}.hook_sae_acts_post", edit)])
     assert prompts[0] + new_tokens(response) == expected[0]
     assert_forgotten(compiled_server)
@@ -557,7 +557,7 @@ def test_a_compiled_server_edits_sae_features_and_captures_the_top_k(
 
     with model.saes(saes=[sae], use_error_term=True):
         expected = model.generate(prompt, max_new_tokens=8, do_sample=False, stop_at_eos=False,
-                                  return_type="tokens",
+                                  return_type="input",
                                   fwd_hooks=[(f"{SAE_AT}.hook_sae_acts_post", clamp)])
     assert prompt + new_tokens(response) == expected[0]
     assert new_tokens(response) != new_tokens(complete(client, prompt)), "the clamp did nothing"

@@ -10,6 +10,10 @@ from dataclasses import dataclass
 from numbers import Integral, Real
 from typing import Any, Literal
 
+import torch
+from jaxtyping import Int
+from torch import Tensor
+
 from vlens.engine.checkpoint import Checkpoint
 from vlens.engine.engine import Engine
 from vlens.hooked.hook_registry import FwdHooks
@@ -62,7 +66,7 @@ class GenerateMethods:
         prompt_hooks: Sequence[FwdHooks] | None = None,
         steering: Sequence[AnySteer] = (),
         prompt_steering: Sequence[Sequence[AnySteer]] | None = None,
-    ) -> str | list[str] | list[list[int]] | list[Generation]:
+    ) -> str | list[str] | Int[Tensor, "batch pos"] | list[list[int]] | list[Generation]:
         """Continue each prompt by up to ``max_new_tokens`` tokens, with hooks applied at prefill
         and at every decode step; TransformerLens's arguments and return types.
 
@@ -71,8 +75,9 @@ class GenerateMethods:
         ``steering`` (:class:`~vlens.runtime.vocabulary.steering.Steer` values) applies to every prompt and
         ``prompt_steering[i]`` to prompt ``i``: steering as data, which a compiled engine runs
         inside its graph (hook functions need an eager engine). Returns, as TransformerLens does,
-        prompt + completion: text for text input (``return_type="input"``), or ``"str"`` /
-        ``"tokens"`` explicitly; ``"result"`` gives each finished request as a
+        prompt + completion: text for text input and ``[batch, pos]`` token ids for a tensor
+        (``return_type="input"``), or ``"str"`` / ``"tokens"`` explicitly (token-id lists in
+        give token-id lists back); ``"result"`` gives each finished request as a
         :class:`Generation` (prompt and new token ids, new text, why it stopped).
 
         vLLM always decodes with its KV cache (``use_past_kv_cache=False`` gives the same
@@ -115,14 +120,36 @@ class GenerateMethods:
                 Generation(prompt, new, self._text(new), reason)
                 for prompt, new, reason in zip(prompts, run.sampled, run.finish_reasons)
             ]
+        if return_type == "tokens" or (return_type == "input" and isinstance(input, Tensor)):
+            finished = stops[0] if stops else self.tokenizer.eos_token_id
+            return self._token_batch(prompts, run.sampled, padding_side, finished)
         sequences = [prompt + new for prompt, new in zip(prompts, run.sampled)]
         as_text = return_type == "str" or (
             return_type == "input" and (isinstance(input, str) or is_texts(input))
         )
         if not as_text:
-            return sequences
+            return sequences  # token lists in, token lists out
         texts = [self._text(sequence) for sequence in sequences]
         return texts[0] if len(texts) == 1 else texts
+
+    def _token_batch(
+        self, prompts: list[list[int]], sampled: list[list[int]],
+        padding_side: Literal["left", "right"] | None, finished: int | None,
+    ) -> Int[Tensor, "batch pos"]:
+        """TransformerLens's ``[batch, pos]`` of prompt and new tokens: the prompts padded as
+        ``to_tokens`` pads them, then each prompt's new tokens, a prompt that stopped early
+        padded after its last token with the end-of-sequence token, as TransformerLens keeps
+        sampling it for finished rows."""
+        side = self._padding_side(padding_side)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        done = pad if finished is None else finished
+        width, steps = max(map(len, prompts)), max(map(len, sampled))
+        rows = []
+        for prompt, new in zip(prompts, sampled):
+            fill = [pad] * (width - len(prompt))
+            head = fill + prompt if side == "left" else prompt + fill
+            rows.append(head + new + [done] * (steps - len(new)))
+        return torch.tensor(rows, dtype=torch.long)
 
     def _text(self, tokens: list[int]) -> str:
         """Generated text as TransformerLens returns it: special tokens (BOS) left out."""
