@@ -23,7 +23,7 @@ the loading lines change:
   :class:`run_notebook.NeedsNetwork`: the statement is ``skipped``, the cell's others still run.
 
 After each cell the tensors and numbers it bound are recorded (a subsample of at most
-:data:`KEPT` values each) in ``<values>/<backend>-<tutorial>.pt``; the ``vlens`` report compares
+:data:`recorded_values.KEPT` values each) in ``<values>/<backend>-<tutorial>.pt``; the ``vlens`` report compares
 them with ``saelens``'s record of the same tutorial (relative difference, ``max|a-b| / max|b|``).
 """
 
@@ -44,10 +44,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(HERE.parent.parent))  # the repository root, for parity/
 
-import notebook_stubs  # noqa: E402
 from notebook_cells import (  # noqa: E402
     LOAD_FUNCTION,
-    Cell,
     Notebook,
     Tracked,
     code_sources,
@@ -56,14 +54,11 @@ from notebook_cells import (  # noqa: E402
     from_mirror,
     prepare,
 )
+from recorded_values import Recording, numbers_markdown, recorded_report  # noqa: E402
 from run_notebook import (  # noqa: E402
     RESULTS,
-    CellResult,
     ModelSlot,
     NeedsNetwork,
-    Runner,
-    counts,
-    environment,
     markdown,
     parse_cells,
     progress_printer,
@@ -88,8 +83,6 @@ TUTORIALS = (
 SAE_FUNCTION = "__tutorial_sae__"
 DATASET_FUNCTION = "__tutorial_dataset__"
 NETWORK_FUNCTION = "__tutorial_network__"
-#: Values kept per recorded tensor (a strided subsample of larger ones).
-KEPT = 100_000
 
 # ---- the SAEs the tutorials name ---------------------------------------------------------------
 
@@ -334,13 +327,13 @@ class TutorialModel(ModelSlot):
         return self.model
 
 
-class TutorialRunner(Runner):
+class TutorialRunner(Recording):
     """:class:`run_notebook.Runner` with the tutorials' loaders, recording each cell's values."""
 
     def __init__(
         self, notebook: Notebook, backend: str, path: Path, timeout: float, sae_root: Path
     ) -> None:
-        super().__init__(notebook, backend, path, timeout, stop_in_cell=False)
+        super().__init__(notebook, backend, path, timeout)
         self.slot = TutorialModel(backend, path)
         self.namespace.update(
             {
@@ -352,98 +345,20 @@ class TutorialRunner(Runner):
         )
         self.namespace.pop("HookedTransformer")  # TransformerLens 3 has it
         sys.modules["plotly_express"] = sys.modules["plotly.express"]  # stubbed by Runner
-        # ray (imported by vLLM here) registers callbacks on IPython's events when it sees IPython
-        notebook_stubs.get_ipython().events = notebook_stubs.Sink()  # type: ignore[attr-defined]
-        self.values: dict[int, dict[str, Any]] = {}
-
-    def run_cell(self, cell: Cell) -> CellResult:
-        import torch
-
-        result = super().run_cell(cell)
-        kept: dict[str, Any] = {}
-        for name in sorted(cell.bound):
-            value = self.namespace.get(name)
-            if isinstance(value, torch.Tensor) and value.is_floating_point():
-                flat = value.detach().flatten()
-                step = max(1, flat.numel() // KEPT)
-                kept[name] = (tuple(value.shape), flat[::step][:KEPT].double().clone())
-            elif isinstance(value, float | int) and not isinstance(value, bool):
-                kept[name] = ((), torch.tensor([float(value)], dtype=torch.float64))
-        self.values[cell.index] = kept
-        return result
-
-
-def compare(ours: dict[int, dict[str, Any]], theirs: dict[int, dict[str, Any]]) -> list[dict]:
-    """Per cell and name recorded on both: shapes, and ``max|a-b| / max|b|`` where they match."""
-    rows = []
-    for index in sorted(set(ours) & set(theirs)):
-        for name in sorted(set(ours[index]) & set(theirs[index])):
-            (shape, a), (their_shape, b) = ours[index][name], theirs[index][name]
-            row: dict[str, Any] = {"cell": index, "name": name, "shape": list(shape)}
-            if shape != their_shape or a.shape != b.shape:
-                row["relative_difference"] = None
-                row["note"] = f"shape {list(shape)} on vlens, {list(their_shape)} on SAELens"
-            else:
-                scale = b.abs().max().clamp_min(1e-12) if b.numel() else 1.0
-                difference = (a - b).abs().max() / scale if a.numel() else a.new_zeros(())
-                row["relative_difference"] = float(difference)
-            rows.append(row)
-    return rows
-
-
-def numbers_markdown(rows: list[dict]) -> str:
-    if not rows:
-        return ""
-    lines = [
-        "",
-        "## Numbers against SAELens",
-        "",
-        "Tensors and numbers a cell bound on both backends: `max|vlens - SAELens| / "
-        "max|SAELens|` (at most 100,000 values of each, strided).",
-        "",
-        "| # | name | shape | relative difference |",
-        "| --- | --- | --- | --- |",
-    ]
-    for row in rows:
-        difference = row["relative_difference"]
-        shown = row.get("note", "") if difference is None else f"{difference:.2e}"
-        lines.append(f"| {row['cell']} | `{row['name']}` | {row['shape']} | {shown} |")
-    return "\n".join(lines) + "\n"
 
 
 # ---- command line ------------------------------------------------------------------------------
 
 
 def run_one(args: argparse.Namespace, name: str) -> dict[str, Any]:
-    import torch
-
     notebook = load_tutorial(name, args.mirror)
     path = args.model or smollm2()
     write_saes(args.sae_root, notebook.name)
     runner = TutorialRunner(notebook, args.backend, path, args.cell_timeout, args.sae_root)
     results = runner.run(parse_cells(args.cells), progress_printer(args.backend, notebook))
-    args.values.mkdir(parents=True, exist_ok=True)
-    torch.save(runner.values, args.values / f"{args.backend}-{notebook.name}.pt")
-    report: dict[str, Any] = {
-        "notebook": notebook.name,
-        "origin": notebook.origin,
-        "backend": args.backend,
-        "ci": True,
-        "stop_in_cell": False,
-        "cell_timeout": args.cell_timeout,
-        "threads": args.threads,
-        "load_seconds": None
-        if runner.slot.load_seconds is None
-        else round(runner.slot.load_seconds, 1),
-        "environment": environment(args.backend, path),
-        "summary": counts(results),
-        "cells": [asdict(result) for result in results],
-        "saes": [asdict(spec) | {"d_in": 576} for spec in SAES.get(notebook.name, [])],
-    }
+    report = recorded_report(runner, notebook, results, path, args, "saelens", "SAELens")
+    report["saes"] = [asdict(spec) | {"d_in": 576} for spec in SAES.get(notebook.name, [])]
     report["environment"]["versions"]["sae-lens"] = metadata.version("sae-lens")
-    reference = args.values / f"saelens-{notebook.name}.pt"
-    if args.backend == "vlens" and reference.is_file():
-        report["numbers"] = compare(runner.values, torch.load(reference))
     return report
 
 
@@ -474,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     settle_environment(ci=True, threads=args.threads)
     report = run_one(args, args.tutorials[0])
     json_path, md_path = write(report, args.out)
-    md_path.write_text(markdown(report) + numbers_markdown(report.get("numbers", [])))
+    md_path.write_text(markdown(report) + numbers_markdown(report.get("numbers", []), "SAELens"))
     print(f"{report['notebook']} on {report['backend']}: {report['summary']}\n  {json_path}")
     return 0
 
