@@ -28,6 +28,7 @@ def vllm_ops() -> None:
 def live_sites(monkeypatch: pytest.MonkeyPatch) -> None:
     """The graphs read the hook sites' live set, as a graph worker's do."""
     monkeypatch.setattr(breaks, "_active", hook_sites.active_sites())
+    monkeypatch.setattr(breaks, "COMPOSE", True)
 
 
 class Layer(nn.Module):

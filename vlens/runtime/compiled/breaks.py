@@ -16,13 +16,16 @@ replay does, and a step with one active site launches two with the site's Python
 on the stream the graph is replayed on. vLLM captures its graphs through ``torch.cuda.CUDAGraph``
 and ``torch.cuda.graph``, in both model runners: a worker of an engine with hook sites makes the
 former this class (:func:`segment_graphs_at_hook_sites`) before vLLM captures. The composition
-uses the CUDA driver's graph API (:mod:`vlens.runtime.compiled.driver_graphs`); where the driver
-refuses it, the segments are launched one by one, as torch captured them.
+uses the CUDA driver's graph API (:mod:`vlens.runtime.compiled.driver_graphs`) and is switched on
+with ``VLENS_COMPOSE_GRAPHS=1`` until it has been measured on a GPU; without it, or where the
+driver refuses it, the segments are launched one by one, as torch captured them, with only the
+active sites' calls between them.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable, Container
 from typing import Any
@@ -40,6 +43,9 @@ _Plain = torch.cuda.CUDAGraph
 _active: Container[int] = frozenset()
 #: Composed graphs a segmented graph keeps, one per set of active sites (oldest evicted first)
 PLANS_KEPT = 8
+#: Whether runs of segments are composed into one graph (``VLENS_COMPOSE_GRAPHS=1``); otherwise
+#: each segment is launched on its own, and only the active sites' calls run between them.
+COMPOSE = os.environ.get("VLENS_COMPOSE_GRAPHS") == "1"
 
 
 def current() -> SegmentedGraph | None:
@@ -106,10 +112,13 @@ class SegmentedGraph(_Plain):
             start = index + 1
         runs.append(self._pieces[start:])
         calls = [self._sites[index][1] for index in active]
-        try:
-            plan = Plan([driver_graphs.compose(raw_graphs(run)) for run in runs], calls)
-        except driver_graphs.DriverError as error:
-            log.warning("vlens: hook sites replay segment by segment (%s)", error)
+        plan = None
+        if COMPOSE:
+            try:
+                plan = Plan([driver_graphs.compose(raw_graphs(run)) for run in runs], calls)
+            except Exception as error:  # the driver's or torch's refusal: the launches below
+                log.warning("vlens: hook sites replay segment by segment (%r)", error)
+        if plan is None:
             plan = Plan([segment_by_segment(self, run) for run in runs], calls)
         self._plans[active] = plan
         return plan
