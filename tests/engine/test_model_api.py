@@ -142,6 +142,9 @@ def test_transformer_lens_settings_are_accepted(models):
     model.set_use_attn_result(True)
     model.set_use_split_qkv_input(True)
     model.set_use_hook_mlp_in(True)
+    with pytest.raises(ValueError, match="mutually exclusive.*set_use_split_qkv_input\\(False\\)"):
+        model.set_use_attn_in(True)
+    model.set_use_split_qkv_input(False)
     model.set_use_attn_in(True)
     _, cache = model.run_with_cache(TEXT, names_filter=lambda name: "blocks.0.attn.hook_result" == name)
     assert cache["blocks.0.attn.hook_result"].shape[-2:] == (model.cfg.n_heads, model.cfg.d_model)

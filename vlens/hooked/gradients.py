@@ -138,7 +138,14 @@ class Gradients:
     def switch_twin(self, switch: str, value: bool) -> None:
         """TransformerLens's ``set_{switch}(value)`` on the twin, now and when it is built: the
         engine offers those names always, but the bridge forms them (and caches their
-        gradients) only when switched on."""
+        gradients) only when switched on. ``use_attn_in`` and ``use_split_qkv_input`` exclude
+        each other, as in TransformerLens."""
+        other = {"use_attn_in": "use_split_qkv_input", "use_split_qkv_input": "use_attn_in"}
+        if value and switch in other and dict(self._switches).get(other[switch]):
+            raise ValueError(
+                f"{switch} and {other[switch]} are mutually exclusive, as in TransformerLens: "
+                f"call set_{other[switch]}(False) before set_{switch}(True)"
+            )
         self._switches += ((switch, value),)
         if self._twin is not None:
             getattr(self._twin, f"set_{switch}")(value)
