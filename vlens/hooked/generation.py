@@ -90,6 +90,7 @@ class GenerateMethods:
         check_max_new_tokens(max_new_tokens, least=1)
         check_generate_return_type(return_type)
         check_sampling(temperature, top_k, top_p)
+        check_argument("freq_penalty", freq_penalty, _is_real, lambda p: p >= 0, "a number >= 0")
         prompts = self.token_lists(input, prepend_bos, padding_side, truncate=False)
         self._warn_if_cut_short(prompts, max_new_tokens)
         hooks, shared = self._hooks_per_prompt(
@@ -185,8 +186,8 @@ def frequency_penalty(penalty: float, temperature: float, prompt: list[int]) -> 
     the logits after dividing them by the temperature, and not at all when greedy; vLLM applies
     its penalties and logit biases before the temperature, and its ``frequency_penalty`` counts
     generated tokens only. So: ``frequency_penalty = penalty · T`` for the generated tokens, and
-    the prompt's counts as a fixed logit bias of ``-penalty · T · count``."""
-    check_argument("freq_penalty", penalty, _is_real, lambda p: p >= 0, "a number >= 0")
+    the prompt's counts as a fixed logit bias of ``-penalty · T · count``. (``penalty``: checked
+    by the caller.)"""
     if not penalty or temperature == 0:
         return {}
     scaled = float(penalty) * temperature

@@ -57,8 +57,8 @@ class SegmentedGraph(_Plain):
     """``torch.cuda.CUDAGraph`` whose capture :meth:`add_site` can break (see the module)."""
 
     def __new__(cls, keep_graph: bool = False) -> SegmentedGraph:
-        # The captured graphs are composed (and instantiated) at replay, not at capture's end.
-        return super().__new__(cls, True)
+        # Composed graphs are built from the captured templates, instantiated at replay.
+        return super().__new__(cls, COMPOSE)
 
     def capture_begin(self, pool: Any = None, capture_error_mode: str = "global",
                       **kwargs: Any) -> None:
@@ -81,7 +81,7 @@ class SegmentedGraph(_Plain):
         self._close()
         call()
         self._sites.append((site, call))
-        segment = _Plain(keep_graph=True)
+        segment = _Plain(keep_graph=COMPOSE)
         segment.capture_begin(pool=self._pool, capture_error_mode=self._mode)
         self._open = segment
 
