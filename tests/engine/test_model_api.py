@@ -146,8 +146,13 @@ def test_transformer_lens_settings_are_accepted(models):
         model.set_use_attn_in(True)
     model.set_use_split_qkv_input(False)
     model.set_use_attn_in(True)
-    _, cache = model.run_with_cache(TEXT, names_filter=lambda name: "blocks.0.attn.hook_result" == name)
-    assert cache["blocks.0.attn.hook_result"].shape[-2:] == (model.cfg.n_heads, model.cfg.d_model)
+    try:
+        _, cache = model.run_with_cache(TEXT, names_filter=lambda name: "blocks.0.attn.hook_result" == name)
+        assert cache["blocks.0.attn.hook_result"].shape[-2:] == (model.cfg.n_heads, model.cfg.d_model)
+    finally:  # the model is shared by the session's tests: leave its settings as found
+        model.set_use_attn_in(False)
+        model.set_use_attn_result(False)
+        model.set_use_hook_mlp_in(False)
 
 
 @pytest.mark.parametrize("call", [lambda m: m.train(), lambda m: m.requires_grad_(True)])

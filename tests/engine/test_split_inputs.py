@@ -71,15 +71,20 @@ CASES = [
                          ids=[f"{arch}-{kind}" for arch, kind, *_ in CASES])
 def test_split_input_edits_equal_transformer_lens(hooked, arch, kind, function, flag):
     model = hooked(arch)
+    other = "set_use_attn_in" if flag == "set_use_split_qkv_input" else "set_use_split_qkv_input"
+    getattr(model, other)(False)  # the two exclude each other, as in TransformerLens
     getattr(model, flag)(True)
-    name = split(kind)
-    tokens = model.to_tokens(TEXT)
-    with torch.no_grad():
-        expected = bridge(arch, flag).run_with_hooks(tokens, fwd_hooks=[(name, function)])
-    logits = model.run_with_hooks(TEXT, fwd_hooks=[(name, function)])
-    assert_relative(logits, expected)
-    plain = model.run_with_hooks(TEXT)
-    assert (logits - plain).abs().max() > 1e-2, "the edit changed nothing"
+    try:
+        name = split(kind)
+        tokens = model.to_tokens(TEXT)
+        with torch.no_grad():
+            expected = bridge(arch, flag).run_with_hooks(tokens, fwd_hooks=[(name, function)])
+        logits = model.run_with_hooks(TEXT, fwd_hooks=[(name, function)])
+        assert_relative(logits, expected)
+        plain = model.run_with_hooks(TEXT)
+        assert (logits - plain).abs().max() > 1e-2, "the edit changed nothing"
+    finally:  # the model is shared by the session's tests: leave its settings as found
+        getattr(model, flag)(False)
 
 
 def test_a_look_at_a_split_input_changes_nothing(hooked):
