@@ -189,3 +189,21 @@ def test_transformer_lens_switches_reach_the_twin(hooked):
     finally:
         model.set_use_attn_result(False)
     assert not twin.cfg.use_attn_result
+
+
+def test_close_lets_the_engine_and_the_twin_go_and_other_engines_keep_serving(hooked, engine_args):
+    """``model.close()`` (or a ``with`` block) shuts this model's engine down and drops its
+    twin; later calls say the model was closed; the session's other engines still answer."""
+    from vlens import HookedVLLM
+    from vlens.testing.tiny import tiny_model
+
+    with HookedVLLM.from_pretrained(tiny_model("gpt2"), dtype="float32", **engine_args) as model:
+        before = model(TEXT)
+        model.gradient_twin()
+        assert model._twin is not None
+    assert model._twin is None and model.engine._llm is None
+    with pytest.raises(RuntimeError, match=r"closed \(model.close\(\)\).*from_pretrained"):
+        model(TEXT)
+    model.close()  # twice: nothing more to do
+    other = hooked("gpt2")
+    torch.testing.assert_close(other(TEXT), before)

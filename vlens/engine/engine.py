@@ -8,6 +8,7 @@ own worker processes under tensor parallelism.
 from __future__ import annotations
 
 import copy
+import gc
 import itertools
 import logging
 import os
@@ -94,7 +95,7 @@ class Engine:
             plugins_except(FOREIGN_PLUGINS),
             classes_left_as_they_were(),
         ):
-            self.llm = LLM(model=model_path, **args, **graph_args)
+            self._llm: Any = LLM(model=model_path, **args, **graph_args)
         self.compiled = bool(graph_names)
         self.tensor_parallel_size = ranks
         parallel = self.llm.llm_engine.vllm_config.parallel_config
@@ -118,6 +119,28 @@ class Engine:
             self._on_workers("leave_interrupts_to_the_user")
             self._on_workers("exit_with_the_user")
             step_whole_steps(self.llm.llm_engine, self.worker_waits)
+
+    @property
+    def llm(self) -> Any:
+        """vLLM's ``LLM``; gone once the engine is closed."""
+        if self._llm is None:
+            raise RuntimeError(
+                "this model was closed (model.close()) and its engine shut down; load it again "
+                "with HookedVLLM.from_pretrained"
+            )
+        return self._llm
+
+    def close(self) -> None:
+        """Shut vLLM's engine down (its workers, KV cache and weights go with it); later calls
+        raise. Closing twice does nothing."""
+        if self._llm is None:
+            return
+        llm, self._llm = self._llm, None
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     @property
     def dtype(self) -> torch.dtype:

@@ -123,6 +123,19 @@ class HookedVLLM(TokenMethods, GenerateMethods, ModelViews, ModuleSurface, SAEMe
         tokenizer = AutoTokenizer.from_pretrained(path)
         return cls(checkpoint, engine, tokenizer, default_prepend_bos, default_padding_side)
 
+    def close(self) -> None:
+        """Let the model's memory go: vLLM's engine (weights, KV cache, workers) and the
+        gradient twin. The model answers no call after; ``with HookedVLLM.from_pretrained(...)
+        as model:`` closes it at the block's end."""
+        self.free_gradient_twin()
+        self.engine.close()
+
+    def __enter__(self) -> HookedVLLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     @property
     def hook_names(self) -> list[str]:
         """Every canonical hook name of this model, in forward order."""
