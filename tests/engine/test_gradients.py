@@ -87,6 +87,27 @@ def test_a_cache_with_gradients_equals_the_bridges(hooked, bridge):
         assert_relative(cache[name], expected[name])
 
 
+def test_stop_at_layer_on_the_twin_gives_the_residual_and_its_gradient(hooked, bridge):
+    """With a backward hook added, ``run_with_cache(stop_at_layer=k)`` runs on the twin: the
+    residual entering block ``k``, differentiable, as the bridge's; ``incl_bwd`` with it is
+    refused as the bridge refuses it."""
+    model, reference = hooked("llama"), bridge("llama")
+    tokens = model.to_tokens(TEXT)
+    seen: list[Tensor] = []
+    model.add_hook(NAME, lambda grad, hook: seen.append(grad.detach().clone()), dir="bwd")
+    try:
+        resid, cache = model.run_with_cache(tokens, names_filter=[NAME], stop_at_layer=1)
+        resid.sum().backward()
+        with pytest.raises(ValueError, match="stop_at_layer"):
+            model.run_with_cache(tokens, stop_at_layer=1, return_type="loss", incl_bwd=True)
+    finally:
+        model.reset_hooks(including_permanent=True)
+    expected, expected_cache = reference.run_with_cache(tokens, names_filter=[NAME], stop_at_layer=1)
+    assert_relative(resid.detach(), expected.detach())
+    assert_relative(cache[NAME], expected_cache[NAME])
+    assert len(seen) == 1 and torch.equal(seen[0], torch.ones_like(seen[0]))  # d sum / d resid
+
+
 def test_added_backward_hooks_last_until_reset(hooked):
     model = hooked("llama")
     tokens = model.to_tokens(TEXT)

@@ -322,8 +322,7 @@ class HookedVLLM(TokenMethods, GenerateMethods, ModelViews, ModuleSurface, SAEMe
         """
         check_return_type(return_type)
         if self.needs_gradients(incl_bwd):
-            refused = {"prompt_hooks": prompt_hooks is not None, "max_new_tokens": max_new_tokens > 0,
-                       "stop_at_layer": stop_at_layer is not None}
+            refused = {"prompt_hooks": prompt_hooks is not None, "max_new_tokens": max_new_tokens > 0}
             steers = self._twin_steering(input, prepend_bos, padding_side, steering,
                                          prompt_steering)
             with self.on_twin("run_with_cache", refused, steers) as twin:
@@ -337,6 +336,7 @@ class HookedVLLM(TokenMethods, GenerateMethods, ModelViews, ModuleSurface, SAEMe
                     tokens, names_filter=names,
                     return_type=return_type, loss_per_token=loss_per_token, incl_bwd=incl_bwd,
                     remove_batch_dim=remove_batch_dim, return_cache_object=return_cache_object,
+                    stop_at_layer=stop_at_layer,
                 )
         check_max_new_tokens(max_new_tokens, least=0)
         prompts = self.token_lists(input, prepend_bos, padding_side)
