@@ -13,6 +13,13 @@ from vlens.runtime.transfer.messages import PaddingSide
 
 PADDING_SIDES: tuple[PaddingSide, ...] = ("left", "right")
 
+#: ``cfg.n_ctx`` where the config states no context length (BLOOM's ALiBi has no position table):
+#: what vLLM then assumes, and TransformerLens's BLOOM ``n_ctx``.
+UNSTATED_CONTEXT = 2048
+
+#: Model types whose attention adds ALiBi biases (``cfg.positional_embedding_type = "alibi"``).
+ALIBI_MODEL_TYPES = frozenset({"bloom"})
+
 
 def tokenizer_bos_eos(tokenizer: PreTrainedTokenizerBase) -> tuple[bool, bool]:
     """Whether ``tokenizer`` puts BOS in front of a text by itself, and EOS after it: what
@@ -119,10 +126,14 @@ class ModelConfig:
             d_head=d_head,
             d_mlp=getattr(config, "intermediate_size", None) or 4 * config.hidden_size,
             d_vocab=config.vocab_size,
-            n_ctx=config.max_position_embeddings,
+            n_ctx=getattr(config, "max_position_embeddings", None) or UNSTATED_CONTEXT,
             architecture=architecture,
             normalization_type=mapping.weights.normalization if mapping.weights else None,
-            positional_embedding_type="standard" if "hook_pos_embed" in names else "rotary",
+            positional_embedding_type=(
+                "standard" if "hook_pos_embed" in names
+                else "alibi" if config.model_type in ALIBI_MODEL_TYPES
+                else "rotary"
+            ),
             default_prepend_bos=bool(default_prepend_bos),
             default_padding_side=default_padding_side,
             device=str(device),

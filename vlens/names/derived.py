@@ -88,18 +88,20 @@ class AttentionScores(BuiltOnRead):
     ``hook_attn_scores``). Sources: rotated q ``[b, q, H, d]`` and k ``[b, k, Hkv, d]``; grouped
     key heads are shared by ``H / Hkv`` consecutive query heads. ``soft_cap``: scores become
     ``soft_cap·tanh(scores / soft_cap)`` before masking; ``window``: a sliding window of that many
-    keys (the query's own included) — both as the layer's attention applies them, if it does."""
+    keys (the query's own included); ``alibi``: each head's ALiBi slope times the key's position
+    added — each as the layer's attention applies it, if it does."""
 
     scale: float
     soft_cap: float | None = None
     window: int | None = None
+    alibi: tuple[float, ...] | None = None
 
     def __call__(self, sources: list[Tensor], batch: Batch) -> LazyAttention:
         q, k = sources
         formed = (None,) * len(batch.lengths)
         return LazyAttention(
             "scores", q, k, self.scale, batch.lengths, formed,
-            soft_cap=self.soft_cap, window=self.window,
+            soft_cap=self.soft_cap, window=self.window, alibi=self.alibi,
         )
 
 

@@ -46,8 +46,8 @@ class LazyAttention:
     for hook functions (a leading box of the request's value, ``[head, pos_i, pos_i]``): it
     replaces the rebuilt one, as :func:`vlens.names.derived.with_formed` does for eager names.
     Without ``batched`` the value has no batch axis (a batch of one, its axis removed).
-    ``soft_cap`` and ``window``: the layer's attention-logit soft cap and sliding window, if any
-    (:func:`~vlens.runtime.attention.arithmetic.causal_scores`).
+    ``soft_cap``, ``window`` and ``alibi``: the layer's attention-logit soft cap, sliding window
+    and ALiBi slopes, if any (:func:`~vlens.runtime.attention.arithmetic.causal_scores`).
     """
 
     stage: Stage
@@ -59,6 +59,7 @@ class LazyAttention:
     batched: bool = True
     soft_cap: float | None = None
     window: int | None = None
+    alibi: tuple[float, ...] | None = None
     #: where a request's padding goes: after its positions, or before them (both axes)
     padding_side: str = "right"
 
@@ -122,7 +123,8 @@ class LazyAttention:
         last = length if self.stage == "pattern" else rows
         for block in query_blocks(length, last, value.shape[0]):
             scores = causal_scores(
-                q[block], k, self.scale, block.start, soft_cap=self.soft_cap, window=self.window
+                q[block], k, self.scale, block.start,
+                soft_cap=self.soft_cap, window=self.window, alibi=self.alibi,
             ).to(value.dtype)
             value[:, block, :length] = scores if self.stage == "scores" else softmax_pattern(scores)
         part = self.formed[index]

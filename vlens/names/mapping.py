@@ -186,13 +186,20 @@ def logits(of: HookSpec) -> HookSpec:
 
 
 def attention_scores(
-    rot_q: str, rot_k: str, scale: float, explicit: Explicit = None
+    rot_q: str,
+    rot_k: str,
+    scale: float,
+    explicit: Explicit = None,
+    alibi: tuple[float, ...] | None = None,
 ) -> DerivedSpec:
-    """``rot_q·rot_kᵀ·scale``, causally masked; ``explicit``: how hooks on it can run (see
-    :class:`DerivedSpec`), with the same ``scale``."""
+    """``rot_q·rot_kᵀ·scale`` (plus ``alibi``, each head's ALiBi slope times the key's position,
+    where given), causally masked; ``explicit``: how hooks on it can run (see
+    :class:`DerivedSpec`), with the same ``scale`` and ``alibi``."""
     if isinstance(explicit, ExplicitAttention) and explicit.scale != scale:
         raise ValueError(f"explicit attention's scale {explicit.scale} is not the scores' {scale}")
-    compute = derived.AttentionScores(scale)
+    if isinstance(explicit, ExplicitAttention) and explicit.alibi != alibi:
+        raise ValueError("explicit attention's ALiBi slopes are not the scores'")
+    compute = derived.AttentionScores(scale, alibi=alibi)
     hookable = _hookable(explicit, "scores")
     return DerivedSpec((rot_q, rot_k), compute, "head query_pos key_pos", hookable=hookable)
 

@@ -29,7 +29,7 @@ from vlens.runtime.compiled import hook_sites
 from vlens.runtime.compiled.graph import GraphSites
 from vlens.runtime.compiled.inline import InlineRequests
 from vlens.runtime.hooks.firing import EagerSites
-from vlens.runtime.patches import apply_cpu_patches
+from vlens.runtime.patches import apply_patches
 from vlens.runtime.sites import source
 from vlens.runtime.sites.probe import ModuleProbe
 from vlens.runtime.sites.source import Operation
@@ -103,7 +103,7 @@ class WorkerRuntime:
         #: served requests whose plans came inside the request (no call to start them)
         self.inline = InlineRequests()
         self._wrap_model_forward()
-        apply_cpu_patches(self.model)
+        apply_patches(self.model)
 
     def follow_inline(self, scheduler_output: Any) -> None:
         """Before a step: forget the served requests that carried their plans, finished, and

@@ -28,19 +28,26 @@ def causal_scores(
     *,
     soft_cap: float | None = None,
     window: int | None = None,
+    alibi: tuple[float, ...] | None = None,
 ) -> Float[Tensor, "head q k"]:
     """``q·kᵀ·scale`` in float32, with the keys after each query's own position (the query rows
     sit at positions ``first_position`` on, the keys at ``0..k-1``) at -inf.
 
     ``soft_cap``: the scores become ``soft_cap·tanh(scores / soft_cap)`` before masking (Gemma 2's
     ``attn_logit_softcapping``). ``window``: each query sees only the ``window`` latest keys, its
-    own included (a sliding window: keys ``window`` or more positions back are at -inf too)."""
+    own included (a sliding window: keys ``window`` or more positions back are at -inf too).
+    ``alibi``: each query head's ALiBi slope; ``slope·key_position`` is added to its scores
+    (BLOOM's bias, as HuggingFace adds it: by the key's absolute position, which differs from a
+    bias by the distance ``key − query`` only by a constant per query row)."""
     k = shared_heads(keys, q.shape[1])
     scores = einsum(q.float(), k.float(), "q h d, k h d -> h q k") * scale
     if soft_cap is not None:
         scores = torch.tanh(scores / soft_cap) * soft_cap
     queries = torch.arange(first_position, first_position + q.shape[0], device=q.device)
     keys_at = torch.arange(keys.shape[0], device=q.device)[None, :]
+    if alibi is not None:
+        slopes = torch.tensor(alibi, dtype=torch.float32, device=q.device)
+        scores = scores + slopes[:, None, None] * keys_at.float()
     masked = keys_at > queries[:, None]
     if window is not None:
         masked |= keys_at <= queries[:, None] - window

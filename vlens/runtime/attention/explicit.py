@@ -260,7 +260,11 @@ class AttentionSites:
                 v.reshape(n, attention.kv_heads, attention.value_width),
             )
             q = q.reshape(n, attention.heads, attention.d_head)
-            scores.append(causal_scores(q, keys, attention.scale, rows.first_position).to(q.dtype))
+            scores.append(
+                causal_scores(
+                    q, keys, attention.scale, rows.first_position, alibi=attention.alibi
+                ).to(q.dtype)
+            )
             histories.append(values)
         scores, edited_scores = self._stage(batch, "scores", scores)
         patterns = [softmax_pattern(value).to(value.dtype) for value in scores]

@@ -44,7 +44,7 @@ from vlens.runtime.compiled.buffers import (
 )
 from vlens.runtime.compiled.hook_sites import install_hook_site
 from vlens.runtime.compiled.saes import CompiledSAE, SAEStage, top_k_of
-from vlens.runtime.patches import apply_cpu_patches
+from vlens.runtime.patches import apply_patches
 from vlens.runtime.sites.torch_hooks import NarrowedCall, install_site
 from vlens.runtime.steps.kept_steps import (
     KeptSteps,
@@ -449,7 +449,7 @@ def install_graph_sites(runner: Any, names: Sequence[GraphName]) -> GraphSites:
     """Trace-ready hooks for ``names`` on the runner's freshly loaded model (and vlens's
     workarounds of vLLM bugs, which must be in place before the trace too)."""
     model = runner.get_model()
-    apply_cpu_patches(model)
+    apply_patches(model)
     config = runner.vllm_config
     max_tokens = int(config.scheduler_config.max_num_batched_tokens)
     device = next(model.parameters()).device

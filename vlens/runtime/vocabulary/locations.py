@@ -91,8 +91,10 @@ class ExplicitAttention:
     ``[pos, kv_heads·d_head_v]``; it returns z, ``[pos, heads·d_head_v]``. Query head ``h`` reads key/value head ``h // (heads / kv_heads)``.
     ``scale`` multiplies ``q·k``. ``projection`` is the module applying ``W_O`` (and ``b_O``) to z,
     called with it as ``projection_input``; element ``projection_element`` of its result is the
-    attention output. The attention is causal, with no sliding window, soft cap or ALiBi: an
-    architecture with any of those does not declare it.
+    attention output. The attention is causal, with no sliding window or soft cap: an
+    architecture with either does not declare it. ``alibi``: each query head's ALiBi slope, where
+    the attention adds that bias (BLOOM; see
+    :func:`~vlens.runtime.attention.arithmetic.causal_scores`).
     """
 
     kernel: str
@@ -108,6 +110,7 @@ class ExplicitAttention:
     d_head_v: int | None = None  # None: d_head
     projection_input: Argument = Argument(0, "input_")
     projection_element: int | None = 0
+    alibi: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.heads % self.kv_heads:
