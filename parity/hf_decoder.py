@@ -1,5 +1,5 @@
 """HuggingFace reference for Llama-shaped decoders that differ from Llama in form (``phi3``,
-``ernie4_5``, ``glm4``, ``stablelm``, ``granite``, ``apertus``, ``cohere``):
+``ernie4_5``, ``glm4``, ``stablelm``, ``granite``, ``apertus``, ``cohere``, ``nemotron``):
 ``model.model.layers[i]`` with ``self_attn``, ``mlp`` and a norm between them
 (``post_attention_layernorm``; ``feedforward_layernorm`` in Apertus), where
 
@@ -11,7 +11,8 @@
 - rotary positions are applied by the model's own ``apply_rotary_pos_emb`` (interleaved in
   Ernie 4.5 and GLM-4), to the first ``rotary_dim`` features of each head (partial rotary), the
   rest passing through;
-- the norms may be LayerNorms (a config with ``layer_norm_eps``: StableLM), whose
+- the norms may be LayerNorms (a config with ``layer_norm_eps``: StableLM; ``norm_eps``: Nemotron's
+  LayerNorm1P, which scales by ``1 + weight``), whose
   ``hook_scale``/``hook_normalized`` are those of the centred input;
 - attention and MLP may run in parallel on the same normed input (Command-R: no norm between
   them), with no ``hook_resid_mid`` or ``ln2`` and ``hook_mlp_in`` the block's input;
@@ -50,9 +51,11 @@ def rotated(
 
 def norm_parts(config: object) -> Callable[[Tensor], tuple[Tensor, Tensor]]:
     """TransformerLens's ``hook_scale`` and ``hook_normalized`` of the config's norms: LayerNorms
-    where it gives ``layer_norm_eps``, RMSNorms (``rms_norm_eps``) otherwise."""
-    if hasattr(config, "layer_norm_eps"):
-        return lambda x: layer_norm_parts(x, config.layer_norm_eps)
+    where it gives ``layer_norm_eps`` (Nemotron's LayerNorm1P: ``norm_eps``), RMSNorms
+    (``rms_norm_eps``) otherwise."""
+    eps = getattr(config, "layer_norm_eps", None) or getattr(config, "norm_eps", None)
+    if eps is not None:
+        return lambda x: layer_norm_parts(x, eps)
     return lambda x: rms_parts(x, config.rms_norm_eps)
 
 
