@@ -1,7 +1,8 @@
 """Mixtures of experts on vLLM's native Llama-family blocks (Qwen3-MoE, Mixtral, OLMoE,
-Qwen2-MoE): routing
+Qwen2-MoE) and GPT-OSS: routing
 recomputed as vLLM's CPU router does, TransformerLens's bridge on every name but the routing, which
-names each layer has, and the refusal of one routed expert's names."""
+names each layer has, and the refusal of one routed expert's names; GPT-OSS's refusals and
+steering."""
 
 from importlib import import_module
 
@@ -19,7 +20,7 @@ from vlens.parity.reference import transformer_lens_reference
 from vlens.parity.run import rows_against
 from vlens.testing.tiny import tiny_model
 
-ARCHS = ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe"]
+ARCHS = ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "gpt_oss"]
 
 
 def batch_of(positions: int) -> Batch:
@@ -166,3 +167,44 @@ def test_shared_and_routed_parts_sum_to_the_mlp_out(hooked):
     gate = cache["blocks.1.mlp.hook_shared_gate"]
     assert gate.shape[-1] == 1 and ((gate > 0) & (gate < 1)).all()
     assert "blocks.0.mlp.hook_shared_out" not in cache.keys()
+
+
+@pytest.mark.parametrize(
+    ("setting", "value"),
+    [("rms_norm_eps", 1e-6), ("swiglu_limit", 5.0), ("swiglu_alpha", 1.0),
+     ("tie_word_embeddings", True), ("attention_bias", False),
+     ("layer_types", ["full_attention", "sliding_attention", "sliding_attention"])],
+)
+def test_gpt_oss_configs_vllm_computes_otherwise_are_refused(setting, value):
+    from vlens.mappings import gpt_oss
+
+    config = AutoConfig.from_pretrained(tiny_model("gpt_oss"))
+    gpt_oss.check_served(config)
+    setattr(config, setting, value)
+    with pytest.raises(NotImplementedError, match=setting):
+        gpt_oss.check_served(config)
+
+
+def test_gpt_oss_mxfp4_checkpoints_are_refused_on_the_cpu():
+    from vlens.mappings import gpt_oss
+
+    config = AutoConfig.from_pretrained(tiny_model("gpt_oss"))
+    config.quantization_config = {"quant_method": "mxfp4"}
+    with pytest.raises(NotImplementedError, match="MXFP4.*unquantized copy"):
+        gpt_oss.check_served(config)
+
+
+def test_gpt_oss_steering_and_sinks(hooked):
+    """A residual edit changes the logits; patterns keep the sink's share out (rows sum to less
+    than one); hooks on patterns say why they cannot run."""
+    model = hooked("gpt_oss")
+    tokens = model.token_lists([PROMPTS[2]])
+    plain, cache = model.run_with_cache(tokens)
+    steered = model.run_with_hooks(
+        tokens, fwd_hooks=[("blocks.0.hook_resid_post", lambda resid, hook: resid + 4.0)]
+    )
+    assert (steered - plain).abs().max() > 0.1
+    sums = cache["blocks.1.attn.hook_pattern"].sum(-1)
+    assert (sums < 1 - 1e-3).all() and (sums > 0).all()
+    with pytest.raises(Exception, match="sinks"):
+        model.run_with_hooks(tokens, fwd_hooks=[("blocks.1.attn.hook_pattern", lambda p, hook: p)])

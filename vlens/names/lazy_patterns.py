@@ -62,6 +62,9 @@ class LazyAttention:
     alibi: tuple[float, ...] | None = None
     #: where a request's padding goes: after its positions, or before them (both axes)
     padding_side: str = "right"
+    #: each head's attention-sink logit, where the layer has sinks (GPT-OSS): the pattern's
+    #: softmax counts it in its denominator (:func:`~vlens.runtime.attention.arithmetic.softmax_pattern`)
+    sinks: Tensor | None = None
 
     def build(self) -> Tensor:
         """The whole value, ``[batch, head, pos, pos]`` (``[head, pos, pos]`` unbatched)."""
@@ -97,7 +100,10 @@ class LazyAttention:
     def to(self, device: str | torch.device) -> LazyAttention:
         """The same value, built on ``device``."""
         formed = tuple(None if part is None else part.to(device) for part in self.formed)
-        return dataclasses.replace(self, q=self.q.to(device), k=self.k.to(device), formed=formed)
+        sinks = None if self.sinks is None else self.sinks.to(device)
+        return dataclasses.replace(
+            self, q=self.q.to(device), k=self.k.to(device), formed=formed, sinks=sinks
+        )
 
     def select(self, indices: Tensor) -> LazyAttention:
         """The requests at ``indices`` (1-d), or one request without a batch axis (0-d)."""
@@ -126,7 +132,9 @@ class LazyAttention:
                 q[block], k, self.scale, block.start,
                 soft_cap=self.soft_cap, window=self.window, alibi=self.alibi,
             ).to(value.dtype)
-            value[:, block, :length] = scores if self.stage == "scores" else softmax_pattern(scores)
+            if self.stage == "pattern":
+                scores = softmax_pattern(scores, self.sinks)
+            value[:, block, :length] = scores
         part = self.formed[index]
         if part is not None:
             value[tuple(slice(0, size) for size in part.shape)] = part.to(value.device)

@@ -54,10 +54,18 @@ def causal_scores(
     return scores.masked_fill(masked[None], float("-inf"))
 
 
-def softmax_pattern(scores: Float[Tensor, "head q k"]) -> Float[Tensor, "head q k"]:
+def softmax_pattern(
+    scores: Float[Tensor, "head q k"], sinks: Float[Tensor, " head"] | None = None
+) -> Float[Tensor, "head q k"]:
     """Softmax over keys in float32; a row with every key at -inf becomes zeros (as
-    TransformerLens turns its NaNs into zeros)."""
-    return scores.float().softmax(dim=-1).nan_to_num(0.0)
+    TransformerLens turns its NaNs into zeros). ``sinks``: each head's attention-sink logit
+    (GPT-OSS), one more key in the softmax's denominator that is then dropped, so a row sums to
+    less than one (the rest is the sink's share)."""
+    if sinks is None:
+        return scores.float().softmax(dim=-1).nan_to_num(0.0)
+    column = sinks.float().to(scores.device)[:, None, None].expand(-1, scores.shape[1], 1)
+    with_sink = torch.cat([scores.float(), column], dim=-1)
+    return with_sink.softmax(dim=-1)[..., :-1].nan_to_num(0.0)
 
 
 def mixed_values(
