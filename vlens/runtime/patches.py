@@ -26,6 +26,15 @@ trained with, and HuggingFace computes, the tanh approximation
 MLP's activations then differ from HuggingFace's by 2.0e-4 relative per token and the logits by
 3.0e-4. The fix gives each BLOOM MLP torch's tanh-approximated GELU (its constant is
 ``sqrt(2/π)`` in full; BLOOM's eight digits of it differ by 1e-9 relative).
+
+vLLM 0.32, xIELU (Apertus) on every platform: ``XIELU`` builds its parameters in bf16 whatever the
+engine's dtype, so an fp32 engine loads ``alpha_p``/``alpha_n`` rounded to bf16 and computes
+``softplus(alpha)`` in bf16, where HuggingFace's model in fp32 keeps them in fp32. On the tiny
+Apertus checkpoint in fp32, ``blocks.0.mlp.hook_post`` then differs from HuggingFace's by 8.2e-4
+relative per token and the logits by 7.6e-4. The fix has ``XIELU`` build them in the dtype the
+model is built in (torch's default dtype while vLLM builds it): a bf16 engine is unchanged. The
+parameters must have that dtype before the checkpoint is loaded into them, so this one is applied
+to the class when this module is imported, not to the loaded model.
 """
 
 from __future__ import annotations
@@ -85,3 +94,31 @@ def opaque_moe_ops(model: nn.Module) -> None:
             entry = getattr(module, "_forward_entry", None)
             if entry in direct:
                 module._forward_entry = direct[entry]
+
+
+def xielu_in_model_dtype() -> None:
+    """Build vLLM's xIELU activation (Apertus) with its parameters in the dtype the model is
+    built in, instead of bf16 whatever the engine's dtype (see the module's docstring). Applied
+    to the class when this module is imported, in the worker, before any model is built."""
+    import functools
+
+    import torch
+
+    try:
+        from vllm.model_executor.layers.activation import XIELU
+    except ImportError:  # another vLLM layout: nothing of this bug to work around
+        return
+    init = XIELU.__init__
+    if getattr(init, "vlens_model_dtype", False):
+        return
+
+    @functools.wraps(init)
+    def built_in_model_dtype(self: nn.Module, *args: object, **kwargs: object) -> None:
+        kwargs.setdefault("dtype", torch.get_default_dtype())
+        init(self, *args, **kwargs)
+
+    built_in_model_dtype.vlens_model_dtype = True  # type: ignore[attr-defined]
+    XIELU.__init__ = built_in_model_dtype
+
+
+xielu_in_model_dtype()
