@@ -233,6 +233,7 @@ MAPPING = ArchitectureMapping(
     architectures=("BloomForCausalLM",),
     hook_specs=hook_specs,
     weights=WEIGHTS,
+    compiled_graph=True,
     tiny_configs={"bloom": tiny_config},
     hf_recorder="hf_bloom",
     no_bridge_reference=(
