@@ -108,6 +108,41 @@ def test_stop_at_layer_on_the_twin_gives_the_residual_and_its_gradient(hooked, b
     assert len(seen) == 1 and torch.equal(seen[0], torch.ones_like(seen[0]))  # d sum / d resid
 
 
+@pytest.mark.parametrize("padding_side", ["right", "left"])
+def test_per_prompt_hooks_on_the_twin_see_and_edit_their_prompt_as_on_the_engine(hooked,
+                                                                                  padding_side):
+    """``prompt_hooks`` in a call on the twin: each function sees its own prompt's rows
+    (``[1, pos_i, ...]``, no padding) and its edit lands there only; the twin's logits equal the
+    engine's for the same call, wherever the padding goes."""
+    model = hooked("llama")
+    texts = [TEXT, "A dog ran"]
+    shapes: list[tuple[int, ...]] = []
+
+    def push(value: Tensor, hook) -> Tensor:
+        shapes.append(tuple(value.shape))
+        return value + 0.5
+
+    def look(value: Tensor, hook) -> None:
+        shapes.append(tuple(value.shape))
+
+    own = [[(NAME, push)], [("blocks.1.attn.hook_pattern", look)]]
+    engine = model(texts, padding_side=padding_side, prompt_hooks=own)
+    plain = model(texts, padding_side=padding_side)
+    engine_shapes, shapes[:] = list(shapes), []
+    model.add_hook(NAME, lambda grad, hook: None, dir="bwd")
+    try:
+        twin = model(texts, padding_side=padding_side, prompt_hooks=own)
+    finally:
+        model.reset_hooks(including_permanent=True)
+    assert shapes == engine_shapes
+    lengths = [len(tokens) for tokens in model.token_lists(texts)]
+    for index, length in enumerate(lengths):
+        real = slice(None, length) if padding_side == "right" else slice(-length, None)
+        assert_relative(twin[index, real].detach(), engine[index, real])
+    assert (engine[0] - plain[0]).abs().max() > 1e-3, "the edit changed nothing"
+    assert torch.equal(engine[1], plain[1])
+
+
 def test_added_backward_hooks_last_until_reset(hooked):
     model = hooked("llama")
     tokens = model.to_tokens(TEXT)

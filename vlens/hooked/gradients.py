@@ -224,9 +224,9 @@ class Gradients:
         self, what: str, refused: dict[str, bool], steering: Sequence[tuple[str, TwinHook]] = ()
     ) -> Iterator[Any]:
         """The twin with, for the block, the SAEs spliced in, then the model's forward hooks,
-        then ``steering`` (:func:`~vlens.hooked.twin_edits.steering_hooks`): the engine's order
-        at a name; ``refused``: the call's arguments the twin cannot honour, by name, each True
-        where given."""
+        then ``steering`` (the call's per-prompt hooks, then its steers:
+        :mod:`~vlens.hooked.twin_edits`): the engine's order at a name; ``refused``: the call's
+        arguments the twin cannot honour, by name, each True where given."""
         given = [name for name, present in refused.items() if present]
         if given:
             raise NotImplementedError(

@@ -10,7 +10,9 @@ hook points (``{name}.hook_sae_input`` ... ``.hook_sae_output``) are Transformer
 ``HookedSAETransformer`` gives it) and the twin's caches reach them as any other name.
 
 A steer becomes a forward hook after the model's own at its name, as on the eager engine; its
-positions count from each prompt's first token, wherever the padding puts that token.
+positions count from each prompt's first token, wherever the padding puts that token. A
+per-prompt hook function (``prompt_hooks``) sees its prompt's own rows, ``[1, pos_i, ...]``
+without padding, as on the engine, and what it returns (or edits in place) lands there.
 """
 
 from __future__ import annotations
@@ -104,3 +106,27 @@ def _steering_hook(
         return out.reshape(value.shape)
 
     return apply_steers
+
+
+def prompt_hook(
+    function: TwinHook, index: int, start: int, length: int, position_axes: Sequence[int]
+) -> TwinHook:
+    """``function``, a hook of prompt ``index`` only, on the twin's padded batch: it is handed
+    that prompt's row with its real positions (``start:start + length`` along each of
+    ``position_axes``, the batch axis being 0) and its result written back there."""
+
+    def on_own_rows(value: Tensor, hook: Any) -> Tensor | None:
+        rows = tuple(
+            slice(index, index + 1) if axis == 0
+            else slice(start, start + length) if axis in position_axes else slice(None)
+            for axis in range(value.ndim)
+        )
+        own = value[rows]  # a view: an edit in place lands in the batch
+        result = function(own, hook)
+        if result is None:
+            return None
+        out = value.clone()
+        out[rows] = result
+        return out
+
+    return on_own_rows
