@@ -33,8 +33,7 @@ Attention scores are rebuilt from ``hook_q`` and ``hook_k`` (there is no rotatio
 ``hook_rot_q``/``hook_rot_k``) with the ALiBi bias as HuggingFace and TransformerLens's bridge add
 it: ``q·kᵀ/sqrt(d_head) + slope·key_position``, the future at -inf. vLLM's kernel adds
 ``slope·(key − query)`` instead, which differs by a constant per query row, so the pattern is the
-same. (HookedTransformer added the relative form too; its scores differ from these by
-``slope·query_position`` per row.) Where a hook function is on scores, pattern or per-head results,
+same. Where a hook function is on scores, pattern or per-head results,
 the worker computes that layer's attention itself, with the same bias
 (:class:`~vlens.names.mapping.ExplicitAttention` with ``alibi``).
 
