@@ -23,21 +23,36 @@ def attention_path(model, layer: int) -> str | None:
     return None
 
 
+#: Architectures whose full-attention layers apply no rotary embedding.
+NO_ROTARY_ON_FULL_LAYERS = ("cohere2", "exaone4")
+
+
+def rotary_layer(model) -> int:
+    """Layer 1, but in an architecture whose full-attention layers turn nothing, its first
+    sliding layer: its rotary operation is listed in every layer's forward, run in those only."""
+    config = model.checkpoint.hf_config
+    if config.model_type in NO_ROTARY_ON_FULL_LAYERS:
+        return config.layer_types.index("sliding_attention")
+    return 1
+
+
 @pytest.mark.parametrize("arch", NATIVE)
 def test_rotary_and_split_operations_equal_the_canonical_names(hooked, arch):
     model = hooked(arch)
-    path = attention_path(model, 1)
+    layer = rotary_layer(model)
+    path = attention_path(model, layer)
     if path is None:
         pytest.skip(f"{arch}: no hook_rot_q or hook_z read at a module")
     listed = [name.rsplit(".", 2)[-2] for name in model.source(path)]
     checks: dict[str, str] = {}  # operation location -> canonical name
     if "self_rotary_emb_0" in listed:
         rotary = f"{path}.source.self_rotary_emb_0.output"
-        checks |= {f"{rotary}.0": "blocks.1.attn.hook_rot_q", f"{rotary}.1": "blocks.1.attn.hook_rot_k"}
+        checks |= {f"{rotary}.0": f"blocks.{layer}.attn.hook_rot_q",
+                   f"{rotary}.1": f"blocks.{layer}.attn.hook_rot_k"}
     split = next((op for op in ("qkv_split_0", "qkv_chunk_0") if op in listed), None)
     if split is not None:
         for element, letter in enumerate("qkv"):
-            checks[f"{path}.source.{split}.output.{element}"] = f"blocks.1.attn.hook_{letter}"
+            checks[f"{path}.source.{split}.output.{element}"] = f"blocks.{layer}.attn.hook_{letter}"
     if not checks:
         pytest.skip(f"{arch}: {path}'s forward has no rotary or q/k/v split operation: {listed}")
     _, cache = model.run_with_cache(TEXTS, names_filter=[*checks, *checks.values()])
@@ -103,3 +118,12 @@ def test_an_operation_input_reads_the_argument(hooked):
 def test_operations_that_cannot_be_read(hooked, name, message):
     with pytest.raises(Exception, match=message):
         hooked("llama").run_with_cache("x", names_filter=name)
+
+
+def test_an_operation_a_layer_never_runs_is_refused_with_the_reason(hooked):
+    """Cohere 2's full layers list the rotary operation in their forward but never run it."""
+    model = hooked("cohere2")
+    full = model.checkpoint.hf_config.layer_types.index("full_attention")
+    rotary = f"{attention_path(model, full)}.source.self_rotary_emb_0.output.0"
+    with pytest.raises(RuntimeError, match="never ran for this request.*a layer that runs it"):
+        model.run_with_cache(TEXTS, names_filter=[rotary])

@@ -163,6 +163,12 @@ def join_chunks(name: str, chunks: Sequence[Chunk], length: int) -> Tensor:
         for chunk in sorted(chunks, key=lambda chunk: chunk.first_position)
         if chunk.first_position < length
     ]
+    if not ordered and ".source." in name:
+        raise RuntimeError(
+            f"{name}: this operation never ran for this request: the forward listed by "
+            f"model.source() holds it in a branch this layer does not take (a layer without "
+            f"rotary embedding, for instance); read it at a layer that runs it"
+        )
     position = 0
     for chunk in ordered:
         if chunk.first_position < position:
