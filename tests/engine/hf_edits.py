@@ -1,7 +1,8 @@
 """The reference for edits: adding a vector at a vlens hook name, done instead in HuggingFace
 transformers with a PyTorch hook on the module that computes that name's value.
 
-Only the tiny test architectures are covered, and in them only the names the editing tests write.
+Only the tiny test architectures are covered, and in them only the names the editing tests write:
+the residual stream of every architecture, and more names of Llama, Qwen3 and GPT-2.
 """
 
 from __future__ import annotations
@@ -66,6 +67,19 @@ def gpt2_sites(model: nn.Module) -> dict[str, Site]:
     return sites
 
 
+def residual_sites(model: nn.Module) -> dict[str, Site]:
+    """Any decoder: the residual stream entering and leaving each of its layers (the first
+    ``ModuleList`` with one entry per layer), whatever the layer computes inside."""
+    n_layers = model.config.get_text_config().num_hidden_layers
+    layers = next(module for module in model.modules()
+                  if isinstance(module, nn.ModuleList) and len(module) == n_layers)
+    sites = {}
+    for layer, block in enumerate(layers):
+        sites |= {f"blocks.{layer}.hook_resid_pre": Site(block, "input"),
+                  f"blocks.{layer}.hook_resid_post": Site(block, "output")}
+    return sites
+
+
 SITES: dict[str, Callable[[nn.Module], dict[str, Site]]] = {
     "LlamaForCausalLM": llama_sites,
     "Qwen3ForCausalLM": llama_sites,
@@ -86,7 +100,7 @@ def forward_with_added(
 ) -> CausalLMOutputWithPast:
     """HuggingFace's forward of ``tokens`` (one prompt) with ``vector`` (``[pos, width]``) added
     where vlens reads ``name``; hidden states included. The hook is gone afterwards."""
-    site = SITES[model.config.architectures[0]](model)[name]
+    site = SITES.get(model.config.architectures[0], residual_sites)(model)[name]
 
     def add_to_input(_m: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if args:

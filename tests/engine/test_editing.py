@@ -11,9 +11,10 @@ from torch import Tensor, nn
 
 from vlens.parity.reference import load_hf
 from vlens.runtime.transfer.messages import HookError
-from vlens.testing.tiny import tiny_model
+from vlens.testing.tiny import ARCHS, tiny_model
 
 TEXT = "Steering vectors move the residual stream"
+SHORT = "The cat sat"
 LAYER = 1
 
 ROTARY_EDITABLE = ("hook_resid_pre", "hook_resid_mid", "hook_resid_post", "attn.hook_z",
@@ -63,6 +64,23 @@ def test_added_vector_matches_huggingface(hooked, huggingface, arch: str, name: 
         torch.testing.assert_close(
             edited[stream][0], reference.hidden_states[i][0], rtol=1e-4, atol=1e-4
         )
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_steered_residual_stream_matches_huggingface_in_every_architecture(hooked, huggingface,
+                                                                             arch: str):
+    """A vector added at ``blocks.1.hook_resid_post`` gives HuggingFace's logits with the same
+    vector added to its layer 1's output (fp32, the parity tolerance per element). The prompt
+    is shorter than every tiny model's sliding window, whose length vLLM counts differently for
+    Cohere 2."""
+    model = hooked(arch)
+    name = f"blocks.{LAYER}.hook_resid_post"
+    plain = model(SHORT)
+    vector = torch.randn(plain.shape[1], model.cfg.d_model, generator=torch.Generator().manual_seed(5))
+    logits = model.run_with_hooks(SHORT, fwd_hooks=[(name, lambda value, hook: value + vector)])
+    assert (plain - logits).abs().max() > 1e-3, "the edit changed nothing"
+    reference = forward_with_added(huggingface(arch), model.to_tokens(SHORT), name, vector)
+    torch.testing.assert_close(logits[0], reference.logits[0], rtol=1e-4, atol=1e-4)
 
 
 def test_in_place_edit_returning_none_reaches_the_model(hooked):
