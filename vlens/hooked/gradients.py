@@ -23,19 +23,21 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import psutil
 import torch
+from torch import Tensor
 
 from vlens.engine.checkpoint import Checkpoint
-from vlens.hooked.hook_registry import HookRegistry
-from vlens.hooked.twin_edits import TwinHook, TwinSplice
+from vlens.hooked.hook_registry import FwdHooks, HookRegistry
+from vlens.hooked.twin_edits import TwinHook, TwinSplice, prompt_hook, steering_hooks
 from vlens.names.mapping import per_sample
 from vlens.names.resolve import is_pattern
 from vlens.names.rules import NameOrFilter
 from vlens.names.tl_versions import HAS_BRIDGE
 from vlens.runtime.transfer.messages import HookFunction
+from vlens.runtime.vocabulary.steering import AnySteer
 
 logger = logging.getLogger("vlens")
 
@@ -90,6 +92,8 @@ class Gradients:
     registry: HookRegistry
     engine_device_type: Callable[[], str]
     _saes: Callable[[], dict]
+    token_lists: Callable[..., list[list[int]]]
+    _padding_side: Callable[[Literal["left", "right"] | None], str]
 
     _twin: Any = None
     _backward: tuple[BackwardHook, ...] = ()
@@ -128,6 +132,49 @@ class Gradients:
         add_backward_hooks(twin, self._backward)
         self._twin = twin
         return twin
+
+    def twin_call(
+        self,
+        input: Any,
+        prepend_bos: bool | None,
+        padding_side: Literal["left", "right"] | None,
+        prompt_hooks: Sequence[FwdHooks] | None,
+        steering: Sequence[AnySteer] = (),
+        prompt_steering: Sequence[Sequence[AnySteer]] | None = None,
+    ) -> tuple[list[tuple[str, TwinHook]], Tensor | None]:
+        """A call's edits as forward hooks of the twin, on the padded batch that ``to_tokens``
+        makes of ``input``: ``prompt_hooks[i]`` handed prompt ``i``'s own rows, as on the engine,
+        then the steers. And the twin's ``attention_mask`` where prompts are padded on the left
+        (the bridge then masks the padding and counts positions from each prompt's first token,
+        as the engine does); None for right padding, which a causal model's real tokens never
+        see."""
+        lengths = [len(prompt) for prompt in self.token_lists(input, prepend_bos, padding_side)]
+        left = self._padding_side(padding_side) == "left"
+        starts = [max(lengths) - length if left else 0 for length in lengths]
+        edits = [] if prompt_hooks is None else self._prompt_hooks(prompt_hooks, starts, lengths)
+        if steering or prompt_steering is not None:
+            steers = self.checkpoint.planner.steering(steering, prompt_steering, len(lengths))
+            edits += steering_hooks(steers, starts, lengths)
+        if not any(starts):
+            return edits, None
+        mask = torch.arange(max(lengths)) >= torch.tensor(starts)[:, None]
+        return edits, mask.long().to(self.gradient_twin().cfg.device)
+
+    def _prompt_hooks(
+        self, prompt_hooks: Sequence[FwdHooks], starts: Sequence[int], lengths: Sequence[int]
+    ) -> list[tuple[str, TwinHook]]:
+        if len(prompt_hooks) != len(lengths):
+            raise ValueError(f"prompt_hooks has {len(prompt_hooks)} entries for {len(lengths)} prompts")
+        hooks = []
+        for index, own in enumerate(prompt_hooks):
+            for name_or_filter, function in own:
+                for name in self.registry.names(name_or_filter):
+                    spec = self.checkpoint.hook_specs.get(name)  # an SAE's names: [pos, ...]
+                    words = spec.shape.split() if spec is not None else ["pos"]
+                    axes = [1 + axis for axis, word in enumerate(words) if word.endswith("pos")]
+                    hooks.append((name, prompt_hook(named(function, name), index, starts[index],
+                                                    lengths[index], axes)))
+        return hooks
 
     def free_gradient_twin(self) -> None:
         """Let the twin go (its memory with it); the next call that needs gradients builds it

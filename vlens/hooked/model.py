@@ -21,13 +21,12 @@ from vlens.engine.planning import HooksByName
 from vlens.hooked.cache import VLensCache
 from vlens.hooked.config import ModelConfig
 from vlens.hooked.generation import GenerateMethods, check_max_new_tokens
-from vlens.hooked.gradients import Gradients, admit, named
+from vlens.hooked.gradients import Gradients, admit
 from vlens.hooked.hook_registry import FwdHooks, HookRegistry
 from vlens.hooked.module_surface import ModuleSurface
 from vlens.hooked.outputs import Output, ReturnType, check_return_type, model_output
 from vlens.hooked.saes import SAEMethods
 from vlens.hooked.tokens import Input, TokenMethods, prepare_tokenizer
-from vlens.hooked.twin_edits import TwinHook, prompt_hook, steering_hooks
 from vlens.hooked.views import ModelViews
 from vlens.names.compiled import LOGITS
 from vlens.names.raw import RawLocations, SourceListing
@@ -246,12 +245,12 @@ class HookedVLLM(TokenMethods, GenerateMethods, ModelViews, ModuleSurface, SAEMe
                 "stream of your own, replace it with a hook on blocks.{k}.hook_resid_pre"
             )
         if self.needs_gradients():
-            own = self._twin_prompt_hooks(input, prepend_bos, padding_side, prompt_hooks)
-            with self.on_twin("a forward", {}, own) as twin:
+            edits, mask = self.twin_call(input, prepend_bos, padding_side, prompt_hooks)
+            with self.on_twin("a forward", {}, edits) as twin:
                 tokens = self.to_tokens(input, prepend_bos, padding_side).to(twin.cfg.device)
                 layer = {} if stop_at_layer is None else {"stop_at_layer": stop_at_layer}
                 return twin(tokens, return_type=return_type, loss_per_token=loss_per_token,
-                            **layer, **self._twin_mask(input, prepend_bos, padding_side))
+                            attention_mask=mask, **layer)
         output, _ = self.run_with_cache(
             input,
             names_filter=[],
@@ -323,9 +322,8 @@ class HookedVLLM(TokenMethods, GenerateMethods, ModelViews, ModuleSurface, SAEMe
         """
         check_return_type(return_type)
         if self.needs_gradients(incl_bwd):
-            edits = self._twin_prompt_hooks(input, prepend_bos, padding_side, prompt_hooks)
-            edits += self._twin_steering(input, prepend_bos, padding_side, steering,
-                                         prompt_steering)
+            edits, mask = self.twin_call(input, prepend_bos, padding_side, prompt_hooks,
+                                         steering, prompt_steering)
             with self.on_twin("run_with_cache", {"max_new_tokens": max_new_tokens > 0},
                               edits) as twin:
                 tokens = self.to_tokens(input, prepend_bos, padding_side).to(twin.cfg.device)
@@ -338,7 +336,7 @@ class HookedVLLM(TokenMethods, GenerateMethods, ModelViews, ModuleSurface, SAEMe
                     tokens, names_filter=names,
                     return_type=return_type, loss_per_token=loss_per_token, incl_bwd=incl_bwd,
                     remove_batch_dim=remove_batch_dim, return_cache_object=return_cache_object,
-                    stop_at_layer=stop_at_layer, **self._twin_mask(input, prepend_bos, padding_side),
+                    stop_at_layer=stop_at_layer, attention_mask=mask,
                 )
         check_max_new_tokens(max_new_tokens, least=0)
         prompts = self.token_lists(input, prepend_bos, padding_side)
@@ -367,68 +365,6 @@ class HookedVLLM(TokenMethods, GenerateMethods, ModelViews, ModuleSurface, SAEMe
         if remove_batch_dim:
             cache.remove_batch_dim(len(prompts))
         return output, (cache if return_cache_object else dict(cache.cache_dict))
-
-    def _twin_steering(
-        self,
-        input: Input,
-        prepend_bos: bool | None,
-        padding_side: Literal["left", "right"] | None,
-        steering: Sequence[AnySteer],
-        prompt_steering: Sequence[Sequence[AnySteer]] | None,
-    ) -> list[tuple[str, TwinHook]]:
-        """A call's steers as forward hooks of the gradient twin, on the padded batch that
-        :meth:`to_tokens` makes of ``input``."""
-        if not steering and prompt_steering is None:
-            return []
-        starts, lengths = self._twin_rows(input, prepend_bos, padding_side)
-        steers = self.checkpoint.planner.steering(steering, prompt_steering, len(lengths))
-        return steering_hooks(steers, starts, lengths)
-
-    def _twin_prompt_hooks(
-        self,
-        input: Input,
-        prepend_bos: bool | None,
-        padding_side: Literal["left", "right"] | None,
-        prompt_hooks: Sequence[FwdHooks] | None,
-    ) -> list[tuple[str, TwinHook]]:
-        """``prompt_hooks[i]`` as forward hooks of the gradient twin, each handed prompt ``i``'s
-        rows of the padded batch that :meth:`to_tokens` makes of ``input``, as on the engine."""
-        if prompt_hooks is None:
-            return []
-        starts, lengths = self._twin_rows(input, prepend_bos, padding_side)
-        if len(prompt_hooks) != len(lengths):
-            raise ValueError(f"prompt_hooks has {len(prompt_hooks)} entries for {len(lengths)} prompts")
-        hooks = []
-        for index, own in enumerate(prompt_hooks):
-            for name_or_filter, function in own:
-                for name in self.registry.names(name_or_filter):
-                    spec = self.checkpoint.hook_specs.get(name)  # an SAE's names: [pos, ...]
-                    words = spec.shape.split() if spec is not None else ["pos"]
-                    axes = [1 + axis for axis, word in enumerate(words) if word.endswith("pos")]
-                    hooks.append((name, prompt_hook(named(function, name), index, starts[index],
-                                                    lengths[index], axes)))
-        return hooks
-
-    def _twin_mask(
-        self, input: Input, prepend_bos: bool | None, padding_side: Literal["left", "right"] | None
-    ) -> dict[str, Tensor]:
-        """The twin's ``attention_mask`` where prompts are padded on the left (the bridge then
-        masks the padding and counts positions from each prompt's first token, as the engine
-        does); none for right padding, which a causal model's real tokens never see."""
-        starts, lengths = self._twin_rows(input, prepend_bos, padding_side)
-        if not any(starts):
-            return {}
-        positions = torch.arange(max(lengths))
-        mask = (positions >= torch.tensor(starts)[:, None]).long()
-        return {"attention_mask": mask.to(self.gradient_twin().cfg.device)}
-
-    def _twin_rows(
-        self, input: Input, prepend_bos: bool | None, padding_side: Literal["left", "right"] | None
-    ) -> tuple[list[int], list[int]]:
-        """Where each prompt's tokens start in the padded batch of ``input``, and how many."""
-        lengths = [len(prompt) for prompt in self.token_lists(input, prepend_bos, padding_side)]
-        left = self._padding_side(padding_side) == "left"
-        return [max(lengths) - length if left else 0 for length in lengths], lengths
 
     def _hooks_per_prompt(
         self,
