@@ -93,3 +93,68 @@ def test_from_pretrained_goes_through_saelens_registry(monkeypatch):
     monkeypatch.setattr(sae_lens.SAE, "from_pretrained", offline)
     with pytest.raises(PretrainedSAEError, match=r"SAE\.load_from_disk\(folder\)"):
         SAE.from_pretrained("gpt2-small-res-jb", "blocks.8.hook_resid_pre")
+
+
+def saelens_model(path):
+    """SAELens's ``HookedSAETransformer`` on the tiny checkpoint at ``path``, unprocessed, built
+    through TransformerLens 3's loaders (its ``from_pretrained`` takes official names only)."""
+    import tempfile
+    from pathlib import Path
+
+    from transformer_lens import loading
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with tempfile.TemporaryDirectory() as folder:
+        neutral = Path(folder) / "model"  # TransformerLens 3 reads "llama" in a path as a name
+        neutral.symlink_to(path, target_is_directory=True)
+        cfg = loading.get_pretrained_model_config(str(neutral), device="cpu", dtype=torch.float32)
+        hf = AutoModelForCausalLM.from_pretrained(neutral, dtype=torch.float32)
+        state = loading.get_pretrained_state_dict(str(neutral), cfg, hf, dtype=torch.float32)
+        theirs = sae_lens.HookedSAETransformer(cfg, AutoTokenizer.from_pretrained(neutral))
+    theirs.load_and_process_state_dict(state, fold_ln=False, center_writing_weights=False,
+                                       center_unembed=False, fold_value_biases=False)
+    return theirs
+
+
+def test_sae_feature_gradients_are_saelens_own(hooked):
+    """Beside SAELens the gradient twin is TransformerLens 3's ``HookedTransformer``: an SAE
+    added with ``add_sae`` gives its features' gradient (a backward hook on
+    ``hook_sae_acts_post``) as SAELens's ``HookedSAETransformer`` does on the same checkpoint,
+    and the twin's logits are the engine's."""
+    from vlens.testing.tiny import tiny_model
+
+    model = hooked("llama")
+    sae = saelens_sae("standard", model.cfg.d_model)
+    feature = f"{NAME}.hook_sae_acts_post"
+    tokens = model.to_tokens(TEXTS)
+    real = tokens != model.tokenizer.pad_token_id
+    real[:, 0] = True
+
+    def gradient_of(run, add_hook):
+        grads = {}
+        add_hook(feature, lambda grad, hook: grads.setdefault(hook.name, grad.detach().clone()))
+        logits = run(tokens)
+        (logits[real].log_softmax(-1)[:, 7]).sum().backward()
+        return logits.detach(), grads[feature]
+
+    engine_logits = model(tokens)
+    model.add_sae(sae)
+    try:
+        ours_logits, ours = gradient_of(model, lambda name, fn: model.add_hook(name, fn, dir="bwd"))
+        assert type(model.gradient_twin()).__name__ == "HookedTransformer"
+    finally:
+        model.reset_hooks(including_permanent=True)
+        model.reset_saes()
+        model.free_gradient_twin()
+    theirs_model = saelens_model(tiny_model("llama"))
+    theirs_model.add_sae(sae)
+    _, theirs = gradient_of(theirs_model,
+                            lambda name, fn: theirs_model.add_hook(name, fn, dir="bwd"))
+    with torch.no_grad():
+        plain = saelens_model(tiny_model("llama"))(tokens)
+    scale = plain[real].abs().max()
+    assert ((engine_logits[real] - plain[real]).abs().max() / scale).item() <= 1e-4
+    assert theirs.abs().max() > 0
+    error = (ours[real] - theirs[real]).abs().max() / theirs[real].abs().max()
+    assert error.item() <= 1e-4, error
+    assert ours_logits.shape == engine_logits.shape

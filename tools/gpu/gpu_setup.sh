@@ -7,6 +7,9 @@
 # server's dependencies as wheels, tiny checkpoints as tiny.tar.part.NN).
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 parts=/tmp/vlens-parts
+if [[ -n ${VLENS_GPU_READY:-} ]]; then  # a shell that sourced this already: its scripts share it
+  cd /tmp && return 0
+fi
 bash "$parts/install.sh" || return 1
 # vlens as installed: mappings/ and parity/ are vlens.mappings and vlens.parity (pyproject.toml).
 rm -rf /tmp/vlens-pkg && mkdir -p /tmp/vlens-pkg
@@ -49,3 +52,4 @@ fi
 cd /tmp  # not the checkout: its vlens/ lacks vlens.mappings and vlens.parity
 python3 -c "import vllm, torch, transformer_lens, vlens
 print('vllm', vllm.__version__, 'torch', torch.__version__, torch.cuda.get_device_name())" || return 1
+export VLENS_GPU_READY=1

@@ -1,8 +1,9 @@
 """Gradients in the same notebook: the calls that need autograd run on a twin of the checkpoint.
 
 vLLM computes no gradients. A call that needs them runs instead on TransformerLens's own model
-of the same checkpoint (``TransformerBridge`` over HuggingFace, no weight processing: the values
-vlens's parity suite compares every name against), whose hook names are vlens's. What needs
+of the same checkpoint (``TransformerBridge`` over HuggingFace, or ``HookedTransformer`` under
+TransformerLens 3; no weight processing: :mod:`vlens.hooked.twin_models`), whose hook names are
+vlens's. What needs
 autograd, and so runs on the twin:
 
 - a forward (``model(...)``, ``run_with_hooks``, ``run_with_cache``) while backward hooks are
@@ -30,12 +31,12 @@ import torch
 from torch import Tensor
 
 from vlens.engine.checkpoint import Checkpoint
+from vlens.hooked import twin_models
 from vlens.hooked.hook_registry import FwdHooks, HookRegistry
 from vlens.hooked.twin_edits import TwinHook, TwinSplice, prompt_hook, steering_hooks
 from vlens.names.mapping import per_sample
 from vlens.names.resolve import is_pattern
 from vlens.names.rules import NameOrFilter
-from vlens.names.tl_versions import HAS_BRIDGE
 from vlens.runtime.transfer.messages import HookFunction
 from vlens.runtime.vocabulary.steering import AnySteer
 
@@ -101,28 +102,17 @@ class Gradients:
     _switches: tuple[tuple[str, bool], ...] = ()  # the model's set_use_* calls, for the twin
 
     def gradient_twin(self, device: str | torch.device | None = None) -> Any:
-        """The twin that computes gradients (TransformerLens's ``TransformerBridge`` on this
-        checkpoint), built on first call on ``device`` (None: the engine's), after a check that
+        """The twin that computes gradients (TransformerLens's model of this checkpoint:
+        :mod:`~vlens.hooked.twin_models`), built on first call on ``device`` (None: the engine's), after a check that
         its weights fit there. Another ``device`` later moves it."""
         if self._twin is not None:
             if device is not None and torch.device(device) != self._twin.cfg.device:
                 self._twin.to(device)
             return self._twin
-        if not HAS_BRIDGE:
-            raise NotImplementedError(
-                "gradients run on TransformerLens 4's TransformerBridge, which this environment's "
-                "TransformerLens 3 lacks (SAELens's pin): run gradient work where vlens's default "
-                "environment (TransformerLens 4) is installed"
-            )
-        from transformer_lens.model_bridge import TransformerBridge
-
         where = torch.device(device if device is not None else self.engine_device_type())
         dtype = self.engine.llm.model_config.dtype
         need = check_fits(self.checkpoint.weights.parameter_count() * dtype.itemsize, where)
-        twin = TransformerBridge.boot_transformers(str(self.checkpoint.path), device=str(where),
-                                                   dtype=dtype)
-        twin.enable_compatibility_mode(no_processing=True)
-        twin.eval()
+        twin = twin_models.build(self.checkpoint.path, where, dtype)
         logger.info("vlens: the gradient twin is built on %s (%.2f GiB of weights)", where,
                     need / 2**30)
         self._splices = {}
@@ -298,19 +288,19 @@ def add_backward_hooks(twin: Any, hooks: Sequence[BackwardHook]) -> None:
     ``use_attn_in`` on takes ``ln1``'s hook points out of the bridge's backward pass)."""
     admit(twin, [hook.name for hook in hooks if not hook.by_filter])
     for hook in hooks:
-        if not (hook.by_filter and twin._gated_hook_reason(hook.name)):
+        if not (hook.by_filter and twin_models.gated_reason(twin, hook.name)):
             twin.add_hook(hook.name, hook.on_twin, dir="bwd", is_permanent=hook.permanent)
 
 
 def admit(twin: Any, names: Sequence[str]) -> None:
-    """The twin's switches for ``names`` turned on (TransformerLens's bridge forms
+    """The twin's switches for ``names`` turned on (TransformerLens forms
     ``hook_attn_in``, the split q/k/v inputs, ``hook_mlp_in`` and per-head ``hook_result`` only
     when asked, as vlens does not need to be)."""
-    wanted = {reason for name in names if (reason := twin._gated_hook_reason(name)) is not None}
+    wanted = {reason for name in names if (reason := twin_models.gated_reason(twin, name)) is not None}
     if {"use_attn_in", "use_split_qkv_input"} <= wanted | {
             flag for flag in ("use_attn_in", "use_split_qkv_input") if getattr(twin.cfg, flag, False)}:
         raise NotImplementedError(
-            "the gradient twin (TransformerLens's bridge) forms hook_attn_in or the split "
+            "the gradient twin (TransformerLens) forms hook_attn_in or the split "
             "hook_q_input / hook_k_input / hook_v_input, not both: hook one kind per call "
             "(model.free_gradient_twin() starts a twin afresh)"
         )

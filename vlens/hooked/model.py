@@ -18,6 +18,7 @@ from vlens.engine.checkpoint import Checkpoint
 from vlens.engine.engine import Engine, greedy
 from vlens.engine.memory_budget import check_cache_device, check_cache_fits
 from vlens.engine.planning import HooksByName
+from vlens.hooked import twin_models
 from vlens.hooked.cache import VLensCache
 from vlens.hooked.config import ModelConfig
 from vlens.hooked.generation import GenerateMethods, check_max_new_tokens
@@ -331,7 +332,7 @@ class HookedVLLM(TokenMethods, GenerateMethods, ModelViews, ModuleSurface, SAEMe
                 if isinstance(names_filter, str | list | tuple):
                     admit(twin, names)
                 else:  # a filter passes over the names the bridge gates, as on the bridge
-                    names = [name for name in names if not twin._gated_hook_reason(name)]
+                    names = [name for name in names if not twin_models.gated_reason(twin, name)]
                 return twin.run_with_cache(
                     tokens, names_filter=names,
                     return_type=return_type, loss_per_token=loss_per_token, incl_bwd=incl_bwd,

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 from transformer_lens.hook_points import HookPoint
 
+from vlens.hooked import twin_models
 from vlens.runtime.vocabulary.steering import AnySteer, SAESteer, Steer, steered
 from vlens.sae.autoencoder import SAE
 
@@ -46,12 +47,12 @@ class TwinSplice:
 
     def register(self, twin: Any) -> None:
         for point in self.points.values():
-            twin._hook_registry[point.name] = point
+            twin_models.register_point(twin, point)
 
     def unregister(self, twin: Any) -> None:
         for point in self.points.values():
             point.remove_hooks(dir="both", including_permanent=True)
-            twin._hook_registry.pop(point.name, None)
+            twin_models.unregister_point(twin, point.name)
 
     def hook(self, value: Tensor, hook: Any) -> Tensor:
         """The SAE's output for ``value``, through its hook points, in ``value``'s dtype."""
