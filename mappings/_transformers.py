@@ -381,5 +381,16 @@ def transformers_backend_mapping(
         unavailable=windowed_name_error,
         hf_recorder="hf_transformers",
         model_impl="transformers",
+        not_offered=NOT_OFFERED,
         **fields,
     )
+
+
+#: Why the Transformers backend's architectures have neither the compiled engine nor tensor
+#: parallelism yet (the table of architectures and the refusals say it).
+NOT_OFFERED = {
+    "compiled_graph": "torch.compile of the Transformers backend with vlens's sites fails on "
+                      "OLMo 2 (torch._dynamo), unchecked on the others",
+    "tensor_parallel": "the values the Transformers backend splits over ranks are not marked "
+                       "in its mapping yet",
+}

@@ -100,7 +100,6 @@ MAPPING = llama.MAPPING.member(
     hook_specs=hook_specs,
     weights=WEIGHTS,
     tensor_parallel=False,
-    compiled_graph=False,
     tiny_configs={"apertus": tiny_config},
     hf_recorder="hf_decoder",
 )

@@ -29,7 +29,6 @@ def tiny_config() -> PretrainedConfig:
 
 MAPPING = llama.MAPPING.member(
     "Ernie4_5ForCausalLM",
-    tensor_parallel=False,
     tiny_configs={"ernie4_5": tiny_config},
     hf_recorder="hf_decoder",
 )

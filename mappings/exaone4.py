@@ -183,6 +183,7 @@ MAPPING = ArchitectureMapping(
     hook_specs=hook_specs,
     weights=WEIGHTS,
     unavailable=pre_norm_error,
+    compiled_graph=True,
     tiny_configs={"exaone4": tiny_config},
     hf_recorder="hf_exaone4",
 )

@@ -43,7 +43,6 @@ MAPPING = llama.MAPPING.member(
     hook_specs=hook_specs,
     tiny_configs={"gemma": tiny_config},
     weights=dataclasses.replace(llama.WEIGHTS, norm_offset=1.0),
-    tensor_parallel=False,
     compiled_graph=True,
     unavailable=None,
 )

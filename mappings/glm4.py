@@ -54,7 +54,6 @@ MAPPING = llama.MAPPING.member(
     "Glm4ForCausalLM",
     hook_specs=hook_specs,
     weights=WEIGHTS,
-    tensor_parallel=False,
     tiny_configs={"glm4": tiny_config},
     hf_recorder="hf_decoder",
 )

@@ -140,8 +140,6 @@ MAPPING = llama.MAPPING.member(
     "GraniteForCausalLM",
     hook_specs=hook_specs,
     weights=WEIGHTS,
-    tensor_parallel=False,
-    compiled_graph=False,
     tiny_configs={"granite": tiny_config},
     hf_recorder="hf_decoder",
 )

@@ -88,11 +88,11 @@ def tiny_config() -> PretrainedConfig:
 
 def granite_member(architecture: str, **differences: Any) -> ArchitectureMapping:
     """A MoE member of Granite: ``moe_member``'s fields, with Granite's weights (scaled logits)
-    and without the compiled engine or tensor parallelism (as ``granite.py``); its HuggingFace
-    reference is ``parity/hf_decoder_moe.py``."""
+    and without tensor parallelism (the values its experts split over ranks are not marked);
+    its HuggingFace reference is ``parity/hf_decoder_moe.py``."""
     bridge = differences.pop("no_bridge_reference", None)
     member = moe_member(granite.MAPPING, architecture, tensor_parallel=False, **differences)
-    member = dataclasses.replace(member, compiled_graph=False, hf_recorder="hf_decoder_moe")
+    member = dataclasses.replace(member, hf_recorder="hf_decoder_moe")
     return member if bridge is None else dataclasses.replace(member, no_bridge_reference=bridge)
 
 

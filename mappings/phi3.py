@@ -43,7 +43,6 @@ def tiny_config() -> PretrainedConfig:
 MAPPING = llama.MAPPING.member(
     "Phi3ForCausalLM",
     weights=WEIGHTS,
-    tensor_parallel=False,
     tiny_configs={"phi3": tiny_config},
     hf_recorder="hf_decoder",
 )

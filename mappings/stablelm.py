@@ -83,8 +83,6 @@ MAPPING = llama.MAPPING.member(
     "StableLmForCausalLM",
     hook_specs=hook_specs,
     weights=WEIGHTS,
-    tensor_parallel=False,
-    compiled_graph=False,
     tiny_configs={"stablelm": tiny_config},
     hf_recorder="hf_decoder",
 )

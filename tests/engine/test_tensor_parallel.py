@@ -39,7 +39,8 @@ def test_steering_a_split_value_equals_one_rank(two_ranks, hooked):
     arch, parallel = two_ranks
     single = hooked(arch)
     generator = torch.Generator().manual_seed(3)
-    shift = torch.randn(single.cfg.n_heads, single.cfg.d_head, generator=generator)
+    # large enough to change the tokens of every tiny model (Gemma's scaled embeddings need it)
+    shift = 10 * torch.randn(single.cfg.n_heads, single.cfg.d_head, generator=generator)
 
     def steer(z, hook):
         z[:, :] += shift.to(z.device)  # in place, on the whole value: written back as each rank's slice

@@ -75,18 +75,26 @@ def check_loadable(
     parallel = int(user_args.get("tensor_parallel_size", 1))
     if parallel > 1 and not mapping.tensor_parallel:
         raise NotImplementedError(
-            f"tensor_parallel_size={parallel}: the {architecture} mapping does not yet mark the "
-            f"values vLLM splits over ranks; run it with tensor_parallel_size=1"
+            f"tensor_parallel_size={parallel} is not offered for {architecture}: "
+            f"{why_not(mapping, 'tensor_parallel')}; run it with tensor_parallel_size=1"
         )
     if not compiled:
         return
     if not mapping.compiled_graph:
         raise NotImplementedError(
-            f"compiled names are not offered for {architecture} yet: its mapping does not mark "
-            f"its names as verified to read the same traced into vLLM's graph as in eager mode "
-            f"(ArchitectureMapping.compiled_graph); load it without "
-            f"compiled_capture/compiled_steering (eager mode)"
+            f"compiled names are not offered for {architecture}: "
+            f"{why_not(mapping, 'compiled_graph')}; load it without compiled_capture, "
+            f"compiled_steering, compiled_hooks and compiled_saes (eager mode)"
         )
+
+
+def why_not(mapping: ArchitectureMapping, offer: str) -> str:
+    """Why the mapping does not offer ``offer`` (``compiled_graph``, ``tensor_parallel``)."""
+    default = {
+        "tensor_parallel": "the values vLLM splits over ranks are not marked in its mapping yet",
+        "compiled_graph": "its names are not yet checked to read the same traced as eager",
+    }
+    return mapping.not_offered.get(offer, default[offer])
 
 
 def model_impl_args(mapping: ArchitectureMapping) -> dict[str, Any]:

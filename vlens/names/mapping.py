@@ -261,6 +261,9 @@ class ArchitectureMapping:
     #: Whether every name has been checked to read the same traced into vLLM's compiled graph
     #: as in eager mode (:mod:`vlens.names.compiled`), so that compiled names are offered.
     compiled_graph: bool = dataclasses.field(default=False, kw_only=True)
+    #: Why ``compiled_graph`` or ``tensor_parallel`` is off, by that field's name: what the
+    #: architectures table says and what the refusal of such an engine tells the user.
+    not_offered: Mapping[str, str] = dataclasses.field(default_factory=dict, kw_only=True)
     #: Why a name that looks plausible can never be given (e.g. one routed expert of a fused MoE
     #: kernel); None for names the architecture has nothing to say about.
     unavailable: Callable[[str], str | None] | None = dataclasses.field(default=None, kw_only=True)

@@ -17,8 +17,10 @@ from dataclasses import dataclass, field
 from importlib.util import find_spec
 from pathlib import Path
 
+from vlens.engine.arguments import why_not
 from vlens.mappings import all_mappings, vllm_implementation
 from vlens.mappings._tiny import architecture_of
+from vlens.names.mapping import ArchitectureMapping
 from vlens.testing.names_table import replace_section
 
 START, END = "<!-- coverage:start -->", "<!-- coverage:end -->"
@@ -85,7 +87,8 @@ def coverage_table(report: str) -> str:
                     against_tl = "— (no bridge reference)"
             lines.append(
                 f"| `{architecture}` | `{tiny}` | {route(architecture)} | {names} | {against_hf} "
-                f"| {against_tl} | {_yes(mapping.compiled_graph)} | {_yes(mapping.tensor_parallel)} |"
+                f"| {against_tl} | {_offer(mapping, 'compiled_graph')} "
+                f"| {_offer(mapping, 'tensor_parallel')} |"
             )
     return "\n".join(lines)
 
@@ -94,8 +97,9 @@ def _worst(status: ParityStatus, reference: str) -> str:
     return f"≤ {status.worst[reference]:.1e}" if reference in status.worst else "—"
 
 
-def _yes(flag: bool) -> str:
-    return "yes" if flag else "no"
+def _offer(mapping: ArchitectureMapping, offer: str) -> str:
+    """"yes", or "no: " and why (the mapping's own reason, else the refusal's)."""
+    return "yes" if getattr(mapping, offer) else f"no: {why_not(mapping, offer)}"
 
 
 def main(argv: list[str]) -> int:
