@@ -96,24 +96,12 @@ def test_from_pretrained_goes_through_saelens_registry(monkeypatch):
 
 
 def saelens_model(path):
-    """SAELens's ``HookedSAETransformer`` on the tiny checkpoint at ``path``, unprocessed, built
-    through TransformerLens 3's loaders (its ``from_pretrained`` takes official names only)."""
-    import tempfile
-    from pathlib import Path
+    """SAELens's ``HookedSAETransformer`` on the tiny checkpoint at ``path``, unprocessed, loaded
+    by TransformerLens 3's own converters (its ``from_pretrained`` takes official names only)."""
+    from vlens.hooked.twin_models import hooked_transformer
 
-    from transformer_lens import loading
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    with tempfile.TemporaryDirectory() as folder:
-        neutral = Path(folder) / "model"  # TransformerLens 3 reads "llama" in a path as a name
-        neutral.symlink_to(path, target_is_directory=True)
-        cfg = loading.get_pretrained_model_config(str(neutral), device="cpu", dtype=torch.float32)
-        hf = AutoModelForCausalLM.from_pretrained(neutral, dtype=torch.float32)
-        state = loading.get_pretrained_state_dict(str(neutral), cfg, hf, dtype=torch.float32)
-        theirs = sae_lens.HookedSAETransformer(cfg, AutoTokenizer.from_pretrained(neutral))
-    theirs.load_and_process_state_dict(state, fold_ln=False, center_writing_weights=False,
-                                       center_unembed=False, fold_value_biases=False)
-    return theirs
+    return hooked_transformer(path, torch.device("cpu"), torch.float32,
+                              model_class=sae_lens.HookedSAETransformer)
 
 
 def test_sae_feature_gradients_are_saelens_own(hooked):

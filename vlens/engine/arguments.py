@@ -88,13 +88,16 @@ def check_loadable(
         )
 
 
+#: Why an offer is off where the mapping does not say (``ArchitectureMapping.not_offered``).
+NOT_YET = {
+    "tensor_parallel": "the values vLLM splits over ranks are not marked in its mapping yet",
+    "compiled_graph": "its names are not yet checked to read the same traced as eager",
+}
+
+
 def why_not(mapping: ArchitectureMapping, offer: str) -> str:
     """Why the mapping does not offer ``offer`` (``compiled_graph``, ``tensor_parallel``)."""
-    default = {
-        "tensor_parallel": "the values vLLM splits over ranks are not marked in its mapping yet",
-        "compiled_graph": "its names are not yet checked to read the same traced as eager",
-    }
-    return mapping.not_offered.get(offer, default[offer])
+    return mapping.not_offered.get(offer, NOT_YET[offer])
 
 
 def model_impl_args(mapping: ArchitectureMapping) -> dict[str, Any]:

@@ -3,8 +3,7 @@
 vLLM computes no gradients. A call that needs them runs instead on TransformerLens's own model
 of the same checkpoint (``TransformerBridge`` over HuggingFace, or ``HookedTransformer`` under
 TransformerLens 3; no weight processing: :mod:`vlens.hooked.twin_models`), whose hook names are
-vlens's. What needs
-autograd, and so runs on the twin:
+vlens's. What needs autograd, and so runs on the twin:
 
 - a forward (``model(...)``, ``run_with_hooks``, ``run_with_cache``) while backward hooks are
   registered (``add_hook(name, fn, dir="bwd")``, ``hooks(bwd_hooks=...)``,
@@ -103,8 +102,8 @@ class Gradients:
 
     def gradient_twin(self, device: str | torch.device | None = None) -> Any:
         """The twin that computes gradients (TransformerLens's model of this checkpoint:
-        :mod:`~vlens.hooked.twin_models`), built on first call on ``device`` (None: the engine's), after a check that
-        its weights fit there. Another ``device`` later moves it."""
+        :mod:`~vlens.hooked.twin_models`), built on first call on ``device`` (None: the
+        engine's), after a check that its weights fit there. Another ``device`` later moves it."""
         if self._twin is not None:
             if device is not None and torch.device(device) != self._twin.cfg.device:
                 self._twin.to(device)
@@ -296,7 +295,8 @@ def admit(twin: Any, names: Sequence[str]) -> None:
     """The twin's switches for ``names`` turned on (TransformerLens forms
     ``hook_attn_in``, the split q/k/v inputs, ``hook_mlp_in`` and per-head ``hook_result`` only
     when asked, as vlens does not need to be)."""
-    wanted = {reason for name in names if (reason := twin_models.gated_reason(twin, name)) is not None}
+    wanted = {reason for name in names
+              if (reason := twin_models.gated_reason(twin, name)) is not None}
     if {"use_attn_in", "use_split_qkv_input"} <= wanted | {
             flag for flag in ("use_attn_in", "use_split_qkv_input") if getattr(twin.cfg, flag, False)}:
         raise NotImplementedError(

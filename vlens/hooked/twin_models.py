@@ -47,8 +47,11 @@ def build(path: Path, device: torch.device, dtype: torch.dtype) -> Any:
     return twin
 
 
-def hooked_transformer(path: Path, device: torch.device, dtype: torch.dtype) -> Any:
-    """TransformerLens 3's ``HookedTransformer`` on a local checkpoint, unprocessed."""
+def hooked_transformer(
+    path: Path, device: torch.device, dtype: torch.dtype, model_class: type | None = None
+) -> Any:
+    """TransformerLens 3's ``HookedTransformer`` (or ``model_class``, a subclass of it such as
+    SAELens's ``HookedSAETransformer``) on a local checkpoint, unprocessed."""
     from transformer_lens import HookedTransformer, loading
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -69,7 +72,8 @@ def hooked_transformer(path: Path, device: torch.device, dtype: torch.dtype) -> 
         del hf
         cfg.model_name = Path(path).name
         # the tokenizer is read again from its folder as the model is built
-        twin = HookedTransformer(cfg, AutoTokenizer.from_pretrained(neutral), move_to_device=False)
+        twin = (model_class or HookedTransformer)(cfg, AutoTokenizer.from_pretrained(neutral),
+                                                  move_to_device=False)
     twin.load_and_process_state_dict(state, fold_ln=False, center_writing_weights=False,
                                      center_unembed=False, fold_value_biases=False,
                                      refactor_factored_attn_matrices=False)
@@ -88,14 +92,16 @@ def gated_reason(twin: Any, name: str) -> str | None:
 
 def register_point(twin: Any, point: Any) -> None:
     """``point`` among the twin's hook points, under its name (an SAE's, while it is spliced)."""
-    if HAS_BRIDGE:
-        twin._hook_registry[point.name] = point
-    else:
-        twin.mod_dict[point.name] = point
-        twin.hook_dict[point.name] = point
+    for registry in _registries(twin):
+        registry[point.name] = point
 
 
 def unregister_point(twin: Any, name: str) -> None:
-    registries = [twin._hook_registry] if HAS_BRIDGE else [twin.mod_dict, twin.hook_dict]
-    for registry in registries:
+    for registry in _registries(twin):
         registry.pop(name, None)
+
+
+def _registries(twin: Any) -> list[dict[str, Any]]:
+    """Where the twin finds its hook points by name: the bridge's one registry, or
+    ``HookedTransformer``'s two (``add_hook`` reads ``mod_dict``, caches ``hook_dict``)."""
+    return [twin._hook_registry] if HAS_BRIDGE else [twin.mod_dict, twin.hook_dict]
