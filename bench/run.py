@@ -331,14 +331,24 @@ def write_profile(profile: Path, n_prompts: int, new: int,
 
 
 def worker_eager(
-    preset: dict[str, Any], path: Path, timer: Timer, profile: Path | None, skip: set[str]
+    preset: dict[str, Any], path: Path, timer: Timer, profile: Path | None, skip: set[str],
+    kind: str = "eager",
 ) -> None:
+    """vlens's eager engine (``enforce_eager=True``), or with ``kind="default"`` the engine
+    ``from_pretrained(path)`` gives with no declaration (on a GPU: compiled, hook functions at
+    every name), its workloads' names then prefixed ``default_``, and two more: a hook
+    function cloning one layer per step (*read*) and one doing nothing at every layer."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     from vlens import HookedVLLM
 
-    model = HookedVLLM.from_pretrained(path, dtype=preset["dtype"], **engine_args(preset))
+    eager = {"enforce_eager": True} if kind == "eager" else {}
+    start = time.perf_counter()
+    model = HookedVLLM.from_pretrained(path, dtype=preset["dtype"], **eager, **engine_args(preset))
+    timer.meta[f"{kind}_load_s"] = round(time.perf_counter() - start, 1)
+    if kind != "eager":
+        timer = Prefixed(timer, f"{kind}_")
     llm = model.engine.llm
     record_runner(timer, llm)
     prompts = prompts_for(preset, model.cfg.d_vocab)
@@ -376,10 +386,23 @@ def worker_eager(
             )
         return int(c.lengths.sum()) - n_prompt + len(prompts) if max_new else n_prompt
 
-    def steered(max_new: int) -> int:
+    def hooked(max_new: int, hooks: list) -> int:
         out = model.generate(prompts, max_new_tokens=max_new, do_sample=False, stop_at_eos=False,
-                             fwd_hooks=[(one, steer)], return_type="input")
+                             fwd_hooks=hooks, return_type="input")
         return sum(len(o) for o in out) - n_prompt
+
+    def steered(max_new: int) -> int:
+        return hooked(max_new, [(one, steer)])
+
+    read: list[torch.Tensor] = []
+
+    def look(x, hook):
+        if len(read) > 256:
+            read.clear()
+        read.append(x.clone())
+
+    def nothing(x, hook):
+        return None
 
     # warm-up: kernels, the hook path, the sampler
     few = prompts[:8]
@@ -400,6 +423,10 @@ def worker_eager(
             timer.measure("plain_ignore_eos", "generate", lambda: plain(new, True), rep=rep)
         timer.measure("cache_1", "generate", lambda: cache([one], new), rep=rep)
         timer.measure("steer", "generate", lambda: steered(new), rep=rep)
+        if kind != "eager":
+            timer.measure("read", "generate", lambda: hooked(new, [(one, look)]), rep=rep)
+            timer.measure("nothing_all", "generate",
+                          lambda: hooked(new, [(name, nothing) for name in every]), rep=rep)
     timer.measure("plain", "generate", lambda: plain(new, False), rep=timer.reps)
 
     if profile is not None:
@@ -413,6 +440,18 @@ def worker_eager(
     if "cache_all_generate" not in skip:
         timer.measure("cache_all", "generate", lambda: cache(every, new), rep=0)
     timer.meta["peak_rss_bytes_eager_worker"] = peak_rss_bytes()
+
+
+class Prefixed:
+    """A timer whose workloads' names carry ``prefix`` (one worker's workloads on another
+    engine)."""
+
+    def __init__(self, timer: Timer, prefix: str) -> None:
+        self.timer, self.prefix = timer, prefix
+        self.reps, self.meta = timer.reps, timer.meta
+
+    def measure(self, workload: str, *args: Any, **kwargs: Any) -> Any:
+        return self.timer.measure(self.prefix + workload, *args, **kwargs)
 
 
 def vlens_engine(preset: dict[str, Any], path: Path, timer: Timer, **declared: Any) -> tuple:
@@ -755,13 +794,13 @@ def worker_transformer_lens(preset: dict[str, Any], path: Path, timer: Timer) ->
 
 # ---- the orchestrating process -----------------------------------------------------------------
 
-WORKERS = ("eager", "compiled", "compiled_piecewise", "graph_1", "graph_all", "hooks", "hooks_1",
+WORKERS = ("eager", "default", "compiled", "compiled_piecewise", "graph_1", "graph_all", "hooks", "hooks_1",
            "hooks_every", "hf",
            "transformer_lens", "sae_steer", "sae_top_k", "sae_splice")
 
 
 #: Seconds each worker may take (``--timeouts`` overrides), so that one run ends in time.
-TIMEOUTS = {"eager": 300, "compiled": 150, "compiled_piecewise": 150, "graph_1": 300, "graph_all": 300, "hooks": 300,
+TIMEOUTS = {"eager": 300, "default": 400, "compiled": 150, "compiled_piecewise": 150, "graph_1": 300, "graph_all": 300, "hooks": 300,
             "hooks_1": 300, "hooks_every": 400, "hf": 80,
             "transformer_lens": 300, "sae_steer": 300, "sae_top_k": 300, "sae_splice": 300}
 
@@ -812,6 +851,13 @@ LABELS = {
     "cache_1": "vlens run_with_cache, one layer's resid_post",
     "cache_all": "vlens run_with_cache, every layer's resid_post",
     "steer": "vlens generate, one steering vector at one layer",
+    "default_plain": "vlens default engine (no declaration), no vlens request",
+    "default_cache_1": "vlens default engine: run_with_cache, one layer's resid_post",
+    "default_cache_all": "vlens default engine: run_with_cache, every layer's resid_post",
+    "default_cache_layer_names": "vlens default engine: run_with_cache, every name of one layer",
+    "default_steer": "vlens default engine: generate, a hook function steering one layer",
+    "default_read": "vlens default engine: generate, a hook function cloning one layer",
+    "default_nothing_all": "vlens default engine: generate, a no-op hook at every layer",
     "compiled": "plain vLLM, default mode (compiled + CUDA graphs on GPU)",
     "compiled_piecewise": "plain vLLM, compiled, cudagraph_mode=PIECEWISE (steps with a hook)",
     "hf": "HuggingFace forward, no hook",
@@ -927,9 +973,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.worker:
         timer = Timer(args.work / f"{args.worker}.json", args.reps)
-        if args.worker == "eager":
+        if args.worker in ("eager", "default"):
             profile = args.out / "profile.txt" if args.profile else None
-            worker_eager(preset, args.model_path, timer, profile, skip)
+            worker_eager(preset, args.model_path, timer, profile, skip, args.worker)
         elif args.worker in ("compiled", "compiled_piecewise"):
             worker_compiled(preset, args.model_path, timer,
                             piecewise=args.worker == "compiled_piecewise")

@@ -9,6 +9,7 @@ from collections.abc import Callable
 import pytest
 
 from vlens import HookedVLLM
+from vlens.engine.arguments import on_cpu
 from vlens.testing.tiny import tiny_model
 
 #: A KV cache the size of what the tests run (vlens's CPU default is 1 GiB per engine, and the
@@ -43,7 +44,9 @@ def engine_args() -> dict[str, object]:
 @pytest.fixture(scope="session")
 def hooked() -> Callable[..., HookedVLLM]:
     """``hooked("qwen3", **engine_args)``: the session's fp32 engine for a tiny model, built
-    once: engines are the slow part of the suite. ``VLENS_TEST_ENGINE_ARGS`` (JSON) adds engine
+    once: engines are the slow part of the suite. Without compiled names or ``enforce_eager=True``
+    it is the default engine (eager on the CPU; on a GPU compiled, with hook functions at every
+    name). ``VLENS_TEST_ENGINE_ARGS`` (JSON) adds engine
     arguments to every engine, e.g. ``{"gpu_memory_utilization": 0.2}`` where two suites share
     a GPU. ``VLENS_TEST_GRAPH_HOOKS=1`` makes each eager engine a compiled one on which hook
     functions run at every name (``compiled_hooks``): the eager engine's hook tests then run
@@ -53,8 +56,11 @@ def hooked() -> Callable[..., HookedVLLM]:
     graph_hooks = os.environ.get("VLENS_TEST_GRAPH_HOOKS") == "1"
 
     def get(arch: str, **engine_args: object) -> HookedVLLM:
-        if graph_hooks and not any(key.startswith("compiled_") for key in engine_args):
+        eager = bool(engine_args.get("enforce_eager"))
+        if graph_hooks and not eager and not any(key.startswith("compiled_") for key in engine_args):
             engine_args = {**engine_args, "compiled_hooks": every_hookable_name}
+        if eager and on_cpu():  # the CPU's default engine is the eager one: the same engine
+            engine_args = {key: value for key, value in engine_args.items() if key != "enforce_eager"}
         key = (arch, *sorted(engine_args.items()))
         if key not in engines:
             engines[key] = HookedVLLM.from_pretrained(

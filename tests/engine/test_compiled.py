@@ -33,7 +33,7 @@ def compiled(hooked) -> HookedVLLM:
 
 @pytest.fixture(scope="module")
 def eager(hooked) -> HookedVLLM:
-    return hooked("llama")
+    return hooked("llama", enforce_eager=True)
 
 
 def steering_vector(model: HookedVLLM, seed: int) -> torch.Tensor:
@@ -158,7 +158,7 @@ def test_every_name_reads_the_same_traced_as_eager(hooked, arch):
     if torch.cuda.is_available() and getattr(tiny_configs()[arch](), "kv_lora_rank", None):
         pytest.skip("vLLM has no fp32 MLA attention on CUDA: tools/gpu/gpu_deepseek.sh runs "
                     "DeepSeek in bf16")
-    eager = hooked(arch)
+    eager = hooked(arch, enforce_eager=True)
     names = tuple(name for name in eager.hook_names if not name.startswith("sampler."))
     compiled = hooked(arch, compiled_capture=names)
     _, cache_c = compiled.run_with_cache(PROMPTS, max_new_tokens=3)

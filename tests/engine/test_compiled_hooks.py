@@ -32,7 +32,7 @@ def graph_hooks(graph_hooks_engine) -> HookedVLLM:
 
 @pytest.fixture(scope="module")
 def eager(hooked) -> HookedVLLM:
-    return hooked("llama")
+    return hooked("llama", enforce_eager=True)
 
 
 def vector(model: HookedVLLM, seed: int = 0) -> Tensor:
@@ -266,26 +266,27 @@ def test_declarations_take_glob_patterns():
 
 
 AFTER_AN_EAGER_ENGINE = """
-import json
+import json, sys
 from vlens import HookedVLLM
 from vlens.testing import tiny_model
 path, prompt = tiny_model("llama"), "hello world, this is a test"
+extra = json.loads(sys.argv[1])
 tokens = {}
 for label, names in (("eager", ()), ("compiled", ["blocks.1.attn.hook_pattern"])):
-    model = HookedVLLM.from_pretrained(path, compiled_hooks=names)
+    model = HookedVLLM.from_pretrained(path, compiled_hooks=names, enforce_eager=not names, **extra)
     tokens[label] = model.generate(prompt, max_new_tokens=6, do_sample=False,
                                    return_type="tokens").tolist()
 print(json.dumps(tokens))
 """
 
 
-def test_a_compiled_engine_built_after_an_eager_one_computes_its_own_tokens():
+def test_a_compiled_engine_built_after_an_eager_one_computes_its_own_tokens(engine_args):
     """vLLM hands every engine of a process the rotary embeddings of the first one built; an
     eager engine's, inside a compiled graph with an attention call site, computed wrong tokens
     (token 0 after the prompt). In a process of its own: the engines built before in the suite's
     process would decide what this one is handed."""
-    done = subprocess.run([sys.executable, "-c", AFTER_AN_EAGER_ENGINE], capture_output=True,
-                          text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-c", AFTER_AN_EAGER_ENGINE, json.dumps(engine_args)],
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     tokens = json.loads(done.stdout.strip().splitlines()[-1])
     assert tokens["compiled"] == tokens["eager"]

@@ -88,6 +88,14 @@ def check_loadable(
         )
 
 
+def hooks_in_graph_by_default(mapping: ArchitectureMapping, user_args: Mapping[str, Any]) -> bool:
+    """Whether an engine loaded without compiled names runs vLLM's compiled graph with hook
+    sites at every name: on a GPU, for an architecture the compiled engine serves, unless the
+    user asks for ``enforce_eager=True``. On vLLM's CPU backend the eager engine stays the
+    default: compiling gains little there (docs/compiled-engine.md)."""
+    return bool(mapping.compiled_graph and not user_args.get("enforce_eager") and not on_cpu())
+
+
 #: Why an offer is off where the mapping does not say (``ArchitectureMapping.not_offered``).
 NOT_YET = {
     "tensor_parallel": "the values vLLM splits over ranks are not marked in its mapping yet",

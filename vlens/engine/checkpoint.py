@@ -13,10 +13,10 @@ from typing import Any
 
 from transformers import AutoConfig, PretrainedConfig
 
-from vlens.engine.arguments import check_loadable
+from vlens.engine.arguments import check_loadable, hooks_in_graph_by_default
 from vlens.engine.planning import Planner
 from vlens.mappings import mapping_for
-from vlens.names.compiled import CompiledNames, declare, declare_saes
+from vlens.names.compiled import CompiledNames, declare, declare_saes, every_name
 from vlens.names.derived import SampledTokens
 from vlens.names.mapping import (
     ArchitectureMapping,
@@ -85,12 +85,16 @@ class Checkpoint:
         compiled_saes: dict[str, SAE | str | Path] | None = None,
         compiled_sae_slots: int = 1024,
         compiled_sae_top_k: int | None = None,
+        hooks_by_default: bool = False,
     ) -> Checkpoint:
         """The checkpoint at ``path``, refused before any engine starts where vlens cannot serve
-        it with these engine arguments, with its compiled names declared (none: eager)."""
+        it with these engine arguments, with its compiled names declared (none: eager; with
+        ``hooks_by_default``, on a GPU, hook functions at every name of the compiled graph)."""
         config = AutoConfig.from_pretrained(path)
         mapping = mapping_for(config)
         wants_graph = bool(compiled_capture or compiled_steering or compiled_hooks or compiled_saes)
+        if hooks_by_default and not wants_graph and hooks_in_graph_by_default(mapping, engine_kwargs):
+            compiled_hooks, wants_graph = every_name, True
         check_loadable(mapping, config.architectures[0], engine_kwargs, wants_graph)
         if compiled_sae_top_k is not None and not compiled_saes:
             raise ValueError("compiled_sae_top_k without compiled_saes: declare the SAEs it reads")

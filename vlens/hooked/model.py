@@ -115,7 +115,7 @@ class HookedVLLM(TokenMethods, GenerateMethods, ModelViews, ModuleSurface, SAEMe
         """
         checkpoint = Checkpoint.load(
             path, engine_kwargs, compiled_capture, compiled_steering, compiled_hooks,
-            compiled_saes, compiled_sae_slots, compiled_sae_top_k,
+            compiled_saes, compiled_sae_slots, compiled_sae_top_k, hooks_by_default=True,
         )
         engine_kwargs = {**model_impl_args(checkpoint.mapping), **engine_kwargs}
         engine = Engine(str(path), checkpoint.graph_names, checkpoint.mapping.cpu_engine_args,

@@ -40,7 +40,12 @@ from vlens.runtime.vocabulary.readers import LogitsOf, writable
 from vlens.sae.autoencoder import SAE
 
 #: How to get an engine that runs any Python hook function on any name.
-EAGER = "HookedVLLM.from_pretrained(path) without compiled names (eager mode)"
+EAGER = "HookedVLLM.from_pretrained(path, enforce_eager=True) (eager mode)"
+
+
+def every_name(name: str) -> bool:
+    """``compiled_hooks`` of the default engine on a GPU: hook functions at every name."""
+    return True
 
 #: The logits: traced into every compiled graph as the final norm's rows (one ``d_model`` row
 #: per position; the vocabulary-wide logits are computed after the step, for rows kept only), so

@@ -16,10 +16,10 @@ replay does, and a step with one active site launches two with the site's Python
 on the stream the graph is replayed on. vLLM captures its graphs through ``torch.cuda.CUDAGraph``
 and ``torch.cuda.graph``, in both model runners: a worker of an engine with hook sites makes the
 former this class (:func:`segment_graphs_at_hook_sites`) before vLLM captures. The composition
-uses the CUDA driver's graph API (:mod:`vlens.runtime.compiled.driver_graphs`) and is switched on
-with ``VLENS_COMPOSE_GRAPHS=1`` until it has been measured on a GPU; without it, or where the
-driver refuses it, the segments are launched one by one, as torch captured them, with only the
-active sites' calls between them.
+uses the CUDA driver's graph API (:mod:`vlens.runtime.compiled.driver_graphs`); with
+``VLENS_COMPOSE_GRAPHS=0``, or where the driver refuses it, the segments are launched one by
+one, as torch captured them, with only the active sites' calls between them (some 700 launches
+a step where every name has a site, against one).
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ _Plain = torch.cuda.CUDAGraph
 _active: Container[int] = frozenset()
 #: Composed graphs a segmented graph keeps, one per set of active sites (oldest evicted first)
 PLANS_KEPT = 8
-#: Whether runs of segments are composed into one graph (``VLENS_COMPOSE_GRAPHS=1``); otherwise
-#: each segment is launched on its own, and only the active sites' calls run between them.
-COMPOSE = os.environ.get("VLENS_COMPOSE_GRAPHS") == "1"
+#: Whether runs of segments are composed into one graph (unless ``VLENS_COMPOSE_GRAPHS=0``);
+#: otherwise each segment is launched on its own, and only the active sites' calls run between.
+COMPOSE = os.environ.get("VLENS_COMPOSE_GRAPHS", "1") != "0"
 
 
 def current() -> SegmentedGraph | None:
@@ -57,8 +57,12 @@ class SegmentedGraph(_Plain):
     """``torch.cuda.CUDAGraph`` whose capture :meth:`add_site` can break (see the module)."""
 
     def __new__(cls, keep_graph: bool = False) -> SegmentedGraph:
-        # Composed graphs are built from the captured templates, instantiated at replay.
         return super().__new__(cls, COMPOSE)
+
+    def __init__(self, keep_graph: bool = False) -> None:
+        # Composed graphs are built from the captured templates, so they are kept. torch's
+        # extension type reads ``keep_graph`` in ``__init__``, not in ``__new__``.
+        super().__init__(COMPOSE)
 
     def capture_begin(self, pool: Any = None, capture_error_mode: str = "global",
                       **kwargs: Any) -> None:
