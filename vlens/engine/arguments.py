@@ -176,10 +176,6 @@ def prepare_engine(
     user_args = dict(user_args)
     if graph_hooks and not on_cpu():
         user_args["compilation_config"] = hook_site_compilation(user_args.get("compilation_config"))
-    if compiled:
-        # vLLM would otherwise reuse a graph compiled before (without vlens's hooks) from
-        # its on-disk cache, and the declared names would silently never be read.
-        os.environ["VLLM_DISABLE_COMPILE_CACHE"] = "1"
     if on_cpu():
         user_args = {**cpu_defaults, **user_args}
         if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:  # vLLM's legacy setting wins

@@ -32,7 +32,7 @@ from vlens.engine.process_state import (
     plugins_except,
 )
 from vlens.runtime.compiled.graph import GraphName
-from vlens.runtime.compiled.workers import graph_names_for_workers
+from vlens.runtime.compiled.workers import graph_names_for_workers, with_graph_args
 from vlens.runtime.sites.source import Operation
 from vlens.runtime.transfer import shared_tensors
 from vlens.runtime.transfer.messages import (
@@ -95,7 +95,7 @@ class Engine:
             plugins_except(FOREIGN_PLUGINS),
             classes_left_as_they_were(),
         ):
-            self._llm: Any = LLM(model=model_path, **args, **graph_args)
+            self._llm: Any = LLM(model=model_path, **with_graph_args(args, graph_args))
         self.compiled = bool(graph_names)
         self.tensor_parallel_size = ranks
         parallel = self.llm.llm_engine.vllm_config.parallel_config

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from vlens.engine.arguments import model_impl_args, prepare_engine
 from vlens.engine.process_state import FOREIGN_PLUGINS, plugins_except
-from vlens.runtime.compiled.workers import graph_names_for_workers
+from vlens.runtime.compiled.workers import graph_names_for_workers, with_graph_args
 from vlens.serve.captures import HeldCaptures
 from vlens.serve.engine_client import VlensEngineClient
 from vlens.serve.fields import read_fields
@@ -173,5 +173,8 @@ def main(argv: list[str]) -> int:
     ):
         if "worker_cls" in graph_args:
             args.worker_cls = graph_args["worker_cls"]
+        if "additional_config" in graph_args:
+            own = {"additional_config": getattr(args, "additional_config", None)}
+            args.additional_config = with_graph_args(own, graph_args)["additional_config"]
         uvloop.run(serve())
     return 0

@@ -116,6 +116,14 @@ def activate(numbers: Iterable[int], active: bool) -> None:
         _active.difference_update(numbers)
 
 
+def number_sites_from(first: int) -> None:
+    """Number the sites installed from now on ``first``, ``first + 1``, ...: an engine's own
+    block, so that its compiled graph (whose op calls carry the numbers as constants) is the
+    same in any process that builds that engine first (:mod:`vlens.runtime.compiled.workers`)."""
+    global _numbers
+    _numbers = itertools.count(first)
+
+
 def install_hook_site(model: nn.Module, site: Site, handler: Handler) -> int:
     """Call the op at ``site`` of ``model``, after the hooks already there (torch.compile, on
     some versions, traces a module's hooks in the order they were added, not the order they

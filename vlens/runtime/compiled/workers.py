@@ -7,11 +7,20 @@ built with ``worker_cls`` naming one of the classes below (vLLM imports it by na
 worker process, whether it forks or spawns them): its ``load_model`` loads as vLLM's own worker
 does, then installs the declared names, which the user's process left in a file named by
 :data:`GRAPH_NAMES_FILE` in the environment the workers inherit.
+
+vLLM keeps what it compiled on disk, keyed by its own settings and the sources it traced, and a
+later engine with the same key loads it instead of compiling. Which names vlens traced is not
+among vLLM's settings, so each compiled engine adds its graph's key (:func:`graph_key`: the
+names, their hook sites' numbers and vlens's sources) to vLLM's ``additional_config``, which vLLM
+hashes into its own key: a second load of the same checkpoint with the same names is as quick
+as plain vLLM's, and an engine with other names never loads another's graph.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import itertools
 import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -23,12 +32,18 @@ import cloudpickle
 
 from vlens.runtime.compiled.breaks import segment_graphs_at_hook_sites
 from vlens.runtime.compiled.graph import GraphName, install_graph_sites
-from vlens.runtime.compiled.hook_sites import active_sites
+from vlens.runtime.compiled.hook_sites import active_sites, number_sites_from
 from vlens.runtime.compiled.inline import InlineRequests
 from vlens.runtime.worker import GRAPH_ATTRIBUTE, RUNTIME_ATTRIBUTE, runtime_of
 
 #: The environment variable naming the file of the graph names (set while an engine is built).
 GRAPH_NAMES_FILE = "VLENS_GRAPH_NAMES_FILE"
+#: The entry of vLLM's ``additional_config`` that holds a compiled engine's :func:`graph_key`.
+GRAPH_KEY = "vlens_graph"
+#: Hook sites each engine of a process may number (its block starts at a multiple of this;
+#: sites installed outside an engine number from 0).
+SITES_PER_ENGINE = 1 << 20
+_blocks = itertools.count(SITES_PER_ENGINE, SITES_PER_ENGINE)
 
 
 class InstallsGraphSites:
@@ -44,7 +59,9 @@ class InstallsGraphSites:
                 f"a vlens graph worker started without {GRAPH_NAMES_FILE}: build compiled "
                 f"engines with HookedVLLM.from_pretrained(..., compiled_capture=...)"
             )
-        names = cloudpickle.loads(Path(path).read_bytes())  # written by the user's own process
+        # written by the user's own process
+        first_site, names = cloudpickle.loads(Path(path).read_bytes())
+        number_sites_from(first_site)
         sites = install_graph_sites(self.model_runner, names)  # type: ignore[attr-defined]
         setattr(self, GRAPH_ATTRIBUTE, sites)
         if sites.hook_sites and not current_platform.is_cpu():  # before vLLM captures its graphs
@@ -91,22 +108,64 @@ def _graph_worker(name: str) -> type:
 
 
 @contextmanager
-def graph_names_for_workers(names: Sequence[GraphName]) -> Iterator[dict[str, str]]:
-    """While an engine is built: ``names`` in a file the workers read (named in the environment
-    they inherit); yields the engine arguments that make vLLM use the graph worker (none for
-    an eager engine, which has no names)."""
+def graph_names_for_workers(names: Sequence[GraphName]) -> Iterator[dict[str, Any]]:
+    """While an engine is built: ``names`` and the first number of the engine's hook sites in a
+    file the workers read (named in the environment they inherit); yields the engine arguments
+    that make vLLM use the graph worker and key its compile cache on the graph (none for an
+    eager engine, which has no names). Where the graph has no key, vLLM's cache is off."""
     if not names:
         yield {}
         return
+    first_site = next(_blocks)
+    key = graph_key(names, first_site)
     with TemporaryDirectory(prefix="vlens-graph-") as folder:
         path = Path(folder) / "graph_names.pickle"
-        path.write_bytes(cloudpickle.dumps(tuple(names)))
-        previous = os.environ.get(GRAPH_NAMES_FILE)
-        os.environ[GRAPH_NAMES_FILE] = str(path)
+        path.write_bytes(cloudpickle.dumps((first_site, tuple(names))))
+        settings = {GRAPH_NAMES_FILE: str(path)}
+        if key is None:
+            settings["VLLM_DISABLE_COMPILE_CACHE"] = "1"
+        previous = {name: os.environ.get(name) for name in settings}
+        os.environ.update(settings)
         try:
-            yield {"worker_cls": worker_class_name()}
+            yield {"worker_cls": worker_class_name(),
+                   **({"additional_config": {GRAPH_KEY: key}} if key else {})}
         finally:
-            if previous is None:
-                del os.environ[GRAPH_NAMES_FILE]
-            else:
-                os.environ[GRAPH_NAMES_FILE] = previous
+            for name, value in previous.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+
+
+def graph_key(names: Sequence[GraphName], first_site: int) -> str | None:
+    """What makes a compiled graph vlens's: the traced names (as their reprs, which name sites,
+    readers and shapes), the first hook site's number and vlens's sources. None for a graph with
+    SAEs, whose weights the graph holds and the key does not cover."""
+    if any(name.sae is not None for name in names):
+        return None
+    text = "\n".join([_sources_digest(), str(first_site), *map(repr, names)])
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+@functools.cache
+def _sources_digest() -> str:
+    package = Path(__file__).resolve().parents[2]
+    digest = hashlib.sha256()
+    for source in sorted(package.rglob("*.py")):
+        digest.update(source.read_bytes())
+    return digest.hexdigest()
+
+
+def with_graph_args(args: dict[str, Any], graph_args: dict[str, Any]) -> dict[str, Any]:
+    """The engine arguments ``args`` with :func:`graph_names_for_workers`' (a user's own
+    ``additional_config`` keeps its entries)."""
+    extra = graph_args.get("additional_config")
+    if extra is None:
+        return {**args, **graph_args}
+    own = args.get("additional_config") or {}
+    if not isinstance(own, dict):
+        raise ValueError(
+            "additional_config: on a compiled engine pass it as a dict, which vlens extends with "
+            f"its graph's key ({GRAPH_KEY!r}) for vLLM's compile cache"
+        )
+    return {**args, **graph_args, "additional_config": {**own, **extra}}
