@@ -9,11 +9,15 @@ One run measures, in this order, each in its own process (an engine's memory is 
 back whole), the same prompts (random token ids, distinct, so no prefix is shared) and greedy
 decoding:
 
-- ``eager``: ONE vlens engine (``HookedVLLM``: eager, prefix caching off). *plain* is that
+- ``eager``: ONE vlens engine (``HookedVLLM`` with ``enforce_eager=True``, prefix caching off). *plain* is that
   engine's ``vllm.LLM.generate`` with no vlens request (no site installed: what plain eager vLLM
   costs); *cache_1* is ``run_with_cache`` of one layer's ``hook_resid_post``; *cache_all* of every
   layer's; *steer* is ``generate`` with one vector added at one layer's ``hook_resid_post`` (every
   prompt, every step). Workloads alternate, ``--reps`` times each; the best time counts.
+- ``default``: the engine ``HookedVLLM.from_pretrained(path)`` gives with nothing declared (on a
+  GPU compiled, with a hook site at every name; on the CPU eager), with the eager worker's
+  workloads (named ``default_*``) and two more: a hook function cloning one layer's value per
+  step (*read*) and one doing nothing at every layer (*nothing_all*).
 - ``compiled``: plain ``vllm.LLM`` in vLLM's default mode (torch.compile + CUDA graphs on GPU),
   prefix caching off, in-process like vlens.
 - ``graph_1`` / ``graph_all``: vlens's compiled engine (names traced into

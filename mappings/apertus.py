@@ -40,14 +40,12 @@ from transformers import ApertusConfig, PretrainedConfig
 
 from vlens.mappings import llama
 from vlens.mappings._tiny import rotary_dims
-from vlens.mappings.llama import ATTN, BLOCK, LAYER, MLP, fused_residual
+from vlens.mappings.llama import BLOCK, LAYER, MLP, fused_residual
 from vlens.names.mapping import (
     Argument,
     Shards,
     Spec,
-    attention_dimensions,
     entering,
-    heads_first,
     inserted_before,
     leaving,
 )
@@ -62,22 +60,12 @@ def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
         ),
     )
     specs = llama.decoder_specs(config, stream)
-    heads, kv_heads, _ = attention_dimensions(config)
     d_mlp = config.intermediate_size
     del specs[f"{BLOCK}.mlp.hook_pre_linear"]
     specs[f"{BLOCK}.mlp.hook_pre"] = leaving(
         f"{MLP}.up_proj", element=0, shape="pos d_mlp", shards=Shards(-1, (d_mlp,))
     )
-    # q_norm / k_norm see [pos, heads, d_head]: under tensor parallelism, this rank's heads.
-    normed = {
-        f"{BLOCK}.attn.hook_q_normed": heads_first(
-            leaving(f"{ATTN}.q_norm", shards=Shards(-2, (heads,)))
-        ),
-        f"{BLOCK}.attn.hook_k_normed": heads_first(
-            leaving(f"{ATTN}.k_norm", shards=Shards(-2, (kv_heads,))), "kv_head"
-        ),
-    }
-    return inserted_before(specs, f"{BLOCK}.attn.hook_rot_q", normed)
+    return inserted_before(specs, f"{BLOCK}.attn.hook_rot_q", llama.per_head_norms(config))
 
 
 def tiny_config() -> PretrainedConfig:
@@ -99,7 +87,6 @@ MAPPING = llama.MAPPING.member(
     "ApertusForCausalLM",
     hook_specs=hook_specs,
     weights=WEIGHTS,
-    tensor_parallel=False,
     tiny_configs={"apertus": tiny_config},
     hf_recorder="hf_decoder",
 )

@@ -83,6 +83,11 @@ MAPPING = llama.MAPPING.member(
     hook_specs=hook_specs,
     weights=WEIGHTS,
     tensor_parallel=False,
+    not_offered={
+        "tensor_parallel": "vLLM sums the parallel block's attention and MLP outputs over the "
+        "ranks only after adding them, so each rank's hook_attn_out and hook_mlp_out are partial "
+        "sums, which its mapping does not mark yet",
+    },
     unavailable=parallel_block_error,
     tiny_configs={"cohere": tiny_config},
     hf_recorder="hf_decoder",

@@ -172,6 +172,11 @@ MAPPING = ArchitectureMapping(
     hook_specs=hook_specs,
     weights=WEIGHTS,
     compiled_graph=True,
+    not_offered={
+        "tensor_parallel": "vLLM gives every rank Falcon's one key/value head whole and leaves "
+        "the parallel block's attention and MLP outputs unsummed until the residual, which "
+        "its mapping does not describe yet",
+    },
     unavailable=parallel_block_error,
     tiny_configs={"falcon": tiny_config},
     hf_recorder="hf_falcon",

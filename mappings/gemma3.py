@@ -14,8 +14,8 @@ k read here need nothing more. Gemma 3 has no attention-logit soft cap
 from transformers import Gemma3TextConfig, PretrainedConfig
 
 from vlens.mappings import gemma2
-from vlens.mappings.llama import ATTN, BLOCK
-from vlens.names.mapping import Spec, heads_first, inserted_before, leaving, logits
+from vlens.mappings.llama import BLOCK, per_head_norms
+from vlens.names.mapping import Spec, inserted_before, leaving, logits
 
 
 def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
@@ -23,12 +23,8 @@ def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
     rotary embedding), heads-first as TransformerLens's bridge gives them; the logits through
 Gemma 3's ``lm_head`` (tied to the embedding or not, as the config says)."""
     specs = gemma2.hook_specs(config)
-    normed = {
-        f"{BLOCK}.attn.hook_q_normed": heads_first(leaving(f"{ATTN}.q_norm")),
-        f"{BLOCK}.attn.hook_k_normed": heads_first(leaving(f"{ATTN}.k_norm"), "kv_head"),
-    }
     return {
-        **inserted_before(specs, f"{BLOCK}.attn.hook_rot_q", normed),
+        **inserted_before(specs, f"{BLOCK}.attn.hook_rot_q", per_head_norms(config)),
         "unembed.hook_out": logits(leaving("model.norm", element=0)),
     }
 

@@ -50,6 +50,7 @@ from vlens.names.mapping import (
     ArchitectureMapping,
     Argument,
     ExplicitAttention,
+    Shards,
     Spec,
     attention_pattern,
     attention_scores,
@@ -79,7 +80,9 @@ def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
     resid_pre = entering(LAYER, Argument(0, "hidden_states"))
     resid_mid = entering(f"{LAYER}.ln_2", Argument(0, "x"))
     resid_final = entering("transformer.ln_f", Argument(0, "x"))
-    qkv = leaving(f"{ATTN}.c_attn", element=0)
+    d_mlp = config.n_inner or 4 * d_model
+    # Under tensor parallelism each rank holds its heads of these, and its part of d_mlp.
+    qkv = leaving(f"{ATTN}.c_attn", element=0, shards=Shards(-1, (d_model, d_model, d_model)))
     scale = d_head**-0.5
     explicit = ExplicitAttention(
         kernel=f"{ATTN}.attn",
@@ -106,7 +109,9 @@ def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
             f"{BLOCK}.attn.hook_q", f"{BLOCK}.attn.hook_k", scale, explicit
         ),
         f"{BLOCK}.attn.hook_pattern": attention_pattern(f"{BLOCK}.attn.hook_attn_scores", explicit),
-        f"{BLOCK}.attn.hook_z": per_head(entering(f"{ATTN}.c_proj", Argument(0, "input_")), d_head),
+        f"{BLOCK}.attn.hook_z": per_head(
+            entering(f"{ATTN}.c_proj", Argument(0, "input_", Shards(-1, (d_model,)))), d_head
+        ),
         f"{BLOCK}.attn.hook_result": conv1d_head_results(
             f"{BLOCK}.attn.hook_z",
             f"{LAYER}.attn.c_proj.weight",
@@ -118,9 +123,11 @@ def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
         f"{BLOCK}.hook_mlp_in": resid_mid,
         f"{BLOCK}.ln2.hook_scale": layer_norm_scale(resid_mid, eps),
         f"{BLOCK}.ln2.hook_normalized": layer_norm_normalized(resid_mid, eps),
-        f"{BLOCK}.mlp.hook_pre": leaving(f"{MLP}.c_fc", element=0, shape="pos d_mlp"),
+        f"{BLOCK}.mlp.hook_pre": leaving(
+            f"{MLP}.c_fc", element=0, shape="pos d_mlp", shards=Shards(-1, (d_mlp,))
+        ),
         f"{BLOCK}.mlp.hook_post": entering(
-            f"{MLP}.c_proj", Argument(0, "input_"), shape="pos d_mlp"
+            f"{MLP}.c_proj", Argument(0, "input_", Shards(-1, (d_mlp,))), shape="pos d_mlp"
         ),
         f"{BLOCK}.hook_mlp_out": leaving(MLP),
         f"{BLOCK}.hook_resid_post": leaving(LAYER),
@@ -171,6 +178,7 @@ MAPPING = ArchitectureMapping(
     hook_specs=hook_specs,
     weights=WEIGHTS,
     compiled_graph=True,
+    tensor_parallel=True,
     tiny_configs={"gpt2": tiny_config},
     hf_recorder="hf_gpt2",
 )

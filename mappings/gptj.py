@@ -38,6 +38,7 @@ from vlens.names.mapping import (
     ArchitectureMapping,
     Argument,
     ExplicitAttention,
+    Shards,
     Spec,
     attention_dimensions,
     attention_pattern,
@@ -74,7 +75,10 @@ def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
 
     resid_pre = entering(LAYER, Argument(1, "hidden_states"))
     resid_final = entering("transformer.ln_f", Argument(0, "x"))
-    qkv = leaving(f"{ATTN}.qkv_proj", element=0)
+    d_mlp = config.n_inner or 4 * d_model
+    # Under tensor parallelism each rank holds its heads of these, and its part of d_mlp.
+    heads_split, mlp_split = Shards(-1, (d_model,)), Shards(-1, (d_mlp,))
+    qkv = leaving(f"{ATTN}.qkv_proj", element=0, shards=Shards(-1, (d_model, d_model, d_model)))
     scale = d_head**-0.5
     explicit = ExplicitAttention(
         kernel=f"{ATTN}.attn",
@@ -96,19 +100,27 @@ def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
         f"{BLOCK}.attn.hook_q": per_head(columns(qkv, 0, d_model, "pos"), d_head),
         f"{BLOCK}.attn.hook_k": per_head(columns(qkv, d_model, 2 * d_model, "pos"), d_head),
         f"{BLOCK}.attn.hook_v": per_head(columns(qkv, 2 * d_model, 3 * d_model, "pos"), d_head),
-        f"{BLOCK}.attn.hook_rot_q": per_head(entering(f"{ATTN}.attn", Argument(0, "query")), d_head),
-        f"{BLOCK}.attn.hook_rot_k": per_head(entering(f"{ATTN}.attn", Argument(1, "key")), d_head),
+        f"{BLOCK}.attn.hook_rot_q": per_head(
+            entering(f"{ATTN}.attn", Argument(0, "query", heads_split)), d_head
+        ),
+        f"{BLOCK}.attn.hook_rot_k": per_head(
+            entering(f"{ATTN}.attn", Argument(1, "key", heads_split)), d_head
+        ),
         f"{BLOCK}.attn.hook_attn_scores": attention_scores(
             f"{BLOCK}.attn.hook_rot_q", f"{BLOCK}.attn.hook_rot_k", scale, explicit
         ),
         f"{BLOCK}.attn.hook_pattern": attention_pattern(f"{BLOCK}.attn.hook_attn_scores", explicit),
-        f"{BLOCK}.attn.hook_z": per_head(entering(f"{ATTN}.out_proj", Argument(0, "input_")), d_head),
+        f"{BLOCK}.attn.hook_z": per_head(
+            entering(f"{ATTN}.out_proj", Argument(0, "input_", heads_split)), d_head
+        ),
         f"{BLOCK}.attn.hook_result": head_results(
             f"{BLOCK}.attn.hook_z", f"{ATTN}.out_proj.weight", explicit
         ),
         f"{BLOCK}.hook_attn_out": leaving(ATTN),
-        f"{BLOCK}.mlp.hook_pre": leaving(f"{MLP}.fc_in", element=0, shape="pos d_mlp"),
-        f"{BLOCK}.mlp.hook_post": entering(f"{MLP}.fc_out", Argument(0, "input_"), shape="pos d_mlp"),
+        f"{BLOCK}.mlp.hook_pre": leaving(f"{MLP}.fc_in", element=0, shape="pos d_mlp",
+                                         shards=mlp_split),
+        f"{BLOCK}.mlp.hook_post": entering(f"{MLP}.fc_out", Argument(0, "input_", mlp_split),
+                                           shape="pos d_mlp"),
         f"{BLOCK}.hook_mlp_out": leaving(MLP),
         f"{BLOCK}.hook_resid_post": leaving(LAYER),
         "ln_final.hook_scale": layer_norm_scale(resid_final, eps),
@@ -168,6 +180,7 @@ MAPPING = ArchitectureMapping(
     hook_specs=hook_specs,
     weights=WEIGHTS,
     compiled_graph=True,
+    tensor_parallel=True,
     unavailable=parallel_block_error,
     tiny_configs={"gptj": tiny_config},
     hf_recorder="hf_gptj",

@@ -54,6 +54,7 @@ from vlens.names.mapping import (
     columns,
     entering,
     head_results,
+    heads_first,
     leaving,
     logits,
     per_head,
@@ -177,6 +178,19 @@ def decoder_specs(config: PretrainedConfig, stream: ResidualStream) -> dict[str,
     if window is not None:
         del specs[f"{BLOCK}.attn.hook_attn_scores"], specs[f"{BLOCK}.attn.hook_pattern"]
     return specs
+
+
+def per_head_norms(config: PretrainedConfig) -> dict[str, Spec]:
+    """``attn.hook_q_normed`` and ``attn.hook_k_normed`` (Qwen 3, Gemma 3, Apertus): the outputs of
+    ``q_norm`` and ``k_norm``, which see ``[pos, heads, d_head]`` (under tensor parallelism, this
+    rank's heads), heads first as TransformerLens's bridge gives them."""
+    heads, kv_heads, _ = attention_dimensions(config)
+    q_normed = leaving(f"{ATTN}.q_norm", shards=Shards(-2, (heads,)))
+    k_normed = leaving(f"{ATTN}.k_norm", shards=Shards(-2, (kv_heads,)))
+    return {
+        f"{BLOCK}.attn.hook_q_normed": heads_first(q_normed),
+        f"{BLOCK}.attn.hook_k_normed": heads_first(k_normed, "kv_head"),
+    }
 
 
 def explicit_attention(config: PretrainedConfig, scale: float | None = None) -> ExplicitAttention:

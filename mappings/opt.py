@@ -44,6 +44,7 @@ from vlens.names.mapping import (
     ArchitectureMapping,
     Argument,
     ExplicitAttention,
+    Shards,
     Spec,
     attention_dimensions,
     attention_pattern,
@@ -92,7 +93,10 @@ def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
     resid_pre = entering(LAYER, Argument(0, "hidden_states"))
     resid_mid = entering(f"{LAYER}.final_layer_norm", Argument(0, "x"))
     resid_final = entering(f"{DECODER}.final_layer_norm", Argument(0, "x"))
-    qkv = leaving(f"{ATTN}.qkv_proj", element=0)
+    d_mlp = config.ffn_dim
+    # Under tensor parallelism each rank holds its heads of these, and its part of d_mlp.
+    heads_split, mlp_split = Shards(-1, (d_model,)), Shards(-1, (d_mlp,))
+    qkv = leaving(f"{ATTN}.qkv_proj", element=0, shards=Shards(-1, (d_model, d_model, d_model)))
     scale = d_head**-0.5
     explicit = ExplicitAttention(
         kernel=f"{ATTN}.attn",
@@ -119,7 +123,9 @@ def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
             f"{BLOCK}.attn.hook_q", f"{BLOCK}.attn.hook_k", scale, explicit
         ),
         f"{BLOCK}.attn.hook_pattern": attention_pattern(f"{BLOCK}.attn.hook_attn_scores", explicit),
-        f"{BLOCK}.attn.hook_z": per_head(entering(f"{ATTN}.out_proj", Argument(0, "input_")), d_head),
+        f"{BLOCK}.attn.hook_z": per_head(
+            entering(f"{ATTN}.out_proj", Argument(0, "input_", heads_split)), d_head
+        ),
         f"{BLOCK}.attn.hook_result": head_results(
             f"{BLOCK}.attn.hook_z", f"{ATTN}.out_proj.weight", explicit
         ),
@@ -128,8 +134,10 @@ def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
         f"{BLOCK}.hook_mlp_in": resid_mid,
         f"{BLOCK}.ln2.hook_scale": layer_norm_scale(resid_mid, EPS),
         f"{BLOCK}.ln2.hook_normalized": layer_norm_normalized(resid_mid, EPS),
-        f"{BLOCK}.mlp.hook_pre": leaving(f"{LAYER}.fc1", element=0, shape="pos d_mlp"),
-        f"{BLOCK}.mlp.hook_post": entering(f"{LAYER}.fc2", Argument(0, "input_"), shape="pos d_mlp"),
+        f"{BLOCK}.mlp.hook_pre": leaving(f"{LAYER}.fc1", element=0, shape="pos d_mlp",
+                                         shards=mlp_split),
+        f"{BLOCK}.mlp.hook_post": entering(f"{LAYER}.fc2", Argument(0, "input_", mlp_split),
+                                           shape="pos d_mlp"),
         f"{BLOCK}.hook_mlp_out": leaving(f"{LAYER}.fc2", element=0),
         f"{BLOCK}.hook_resid_post": leaving(LAYER),
         "ln_final.hook_scale": layer_norm_scale(resid_final, EPS),
@@ -185,6 +193,7 @@ MAPPING = ArchitectureMapping(
     hook_specs=hook_specs,
     weights=WEIGHTS,
     compiled_graph=True,
+    tensor_parallel=True,
     tiny_configs={"opt": tiny_config},
     hf_recorder="hf_opt",
     no_bridge_reference=PLAIN_ATTENTION_BRIDGE,

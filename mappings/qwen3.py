@@ -16,28 +16,13 @@ from transformers import PretrainedConfig, Qwen3Config
 
 from vlens.mappings import llama
 from vlens.mappings._tiny import rotary_dims
-from vlens.mappings.llama import ATTN, BLOCK
-from vlens.names.mapping import (
-    Shards,
-    Spec,
-    attention_dimensions,
-    heads_first,
-    inserted_before,
-    leaving,
-)
+from vlens.mappings.llama import BLOCK, per_head_norms
+from vlens.names.mapping import Spec, inserted_before
 
 
 def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
     specs = llama.hook_specs(config)
-    heads, kv_heads, _ = attention_dimensions(config)
-    # q_norm / k_norm see [pos, heads, d_head]: under tensor parallelism, this rank's heads.
-    q_normed = leaving(f"{ATTN}.q_norm", shards=Shards(-2, (heads,)))
-    k_normed = leaving(f"{ATTN}.k_norm", shards=Shards(-2, (kv_heads,)))
-    normed = {
-        f"{BLOCK}.attn.hook_q_normed": heads_first(q_normed),
-        f"{BLOCK}.attn.hook_k_normed": heads_first(k_normed, "kv_head"),
-    }
-    return inserted_before(specs, f"{BLOCK}.attn.hook_rot_q", normed)
+    return inserted_before(specs, f"{BLOCK}.attn.hook_rot_q", per_head_norms(config))
 
 
 def tiny_config() -> PretrainedConfig:

@@ -12,8 +12,8 @@ vLLM keeps what it compiled on disk, keyed by its own settings and the sources i
 later engine with the same key loads it instead of compiling. Which names vlens traced is not
 among vLLM's settings, so each compiled engine adds its graph's key (:func:`graph_key`: the
 names, their hook sites' numbers and vlens's sources) to vLLM's ``additional_config``, which vLLM
-hashes into its own key: a second load of the same checkpoint with the same names is as quick
-as plain vLLM's, and an engine with other names never loads another's graph.
+hashes into its own key: a second load of the same checkpoint with the same names takes its
+compiled pieces from the cache, and an engine with other names never loads another's graph.
 """
 
 from __future__ import annotations
@@ -112,29 +112,35 @@ def graph_names_for_workers(names: Sequence[GraphName]) -> Iterator[dict[str, An
     """While an engine is built: ``names`` and the first number of the engine's hook sites in a
     file the workers read (named in the environment they inherit); yields the engine arguments
     that make vLLM use the graph worker and key its compile cache on the graph (none for an
-    eager engine, which has no names). Where the graph has no key, vLLM's cache is off."""
+    eager engine, which has no names). Where the graph has no key, vLLM's cache is off from
+    then on in this process."""
     if not names:
         yield {}
         return
     first_site = next(_blocks)
     key = graph_key(names, first_site)
+    # vLLM's ahead-of-time artifact would skip tracing the model on a later load; what vlens has
+    # checked is a load that traces again and takes Inductor's compiled pieces from the cache.
+    # Kept for the process, as below.
+    os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
+    if key is None:
+        # For the rest of the process: vLLM reads it again at every forward (whether its
+        # compiled model is an ahead-of-time one), and a model compiled with the cache off
+        # must keep reading it off.
+        os.environ["VLLM_DISABLE_COMPILE_CACHE"] = "1"
     with TemporaryDirectory(prefix="vlens-graph-") as folder:
         path = Path(folder) / "graph_names.pickle"
         path.write_bytes(cloudpickle.dumps((first_site, tuple(names))))
-        settings = {GRAPH_NAMES_FILE: str(path)}
-        if key is None:
-            settings["VLLM_DISABLE_COMPILE_CACHE"] = "1"
-        previous = {name: os.environ.get(name) for name in settings}
-        os.environ.update(settings)
+        previous = os.environ.get(GRAPH_NAMES_FILE)
+        os.environ[GRAPH_NAMES_FILE] = str(path)
         try:
             yield {"worker_cls": worker_class_name(),
                    **({"additional_config": {GRAPH_KEY: key}} if key else {})}
         finally:
-            for name, value in previous.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
+            if previous is None:
+                del os.environ[GRAPH_NAMES_FILE]
+            else:
+                os.environ[GRAPH_NAMES_FILE] = previous
 
 
 def graph_key(names: Sequence[GraphName], first_site: int) -> str | None:
