@@ -10,6 +10,7 @@ import pytest
 
 from vlens import HookedVLLM
 from vlens.engine.arguments import on_cpu
+from vlens.names.compiled import every_name
 from vlens.testing.tiny import tiny_model
 
 #: A KV cache the size of what the tests run (vlens's CPU default is 1 GiB per engine, and the
@@ -58,7 +59,7 @@ def hooked() -> Callable[..., HookedVLLM]:
     def get(arch: str, **engine_args: object) -> HookedVLLM:
         eager = bool(engine_args.get("enforce_eager"))
         if graph_hooks and not eager and not any(key.startswith("compiled_") for key in engine_args):
-            engine_args = {**engine_args, "compiled_hooks": every_hookable_name}
+            engine_args = {**engine_args, "compiled_hooks": every_name}
         if eager and on_cpu():  # the CPU's default engine is the eager one: the same engine
             engine_args = {key: value for key, value in engine_args.items() if key != "enforce_eager"}
         key = (arch, *sorted(engine_args.items()))
@@ -71,17 +72,11 @@ def hooked() -> Callable[..., HookedVLLM]:
     return get
 
 
-def every_hookable_name(name: str) -> bool:
-    """``compiled_hooks``' filter of the tests' engines with hook functions in their graph: every name that can carry hook
-    functions in the compiled graph."""
-    return True
-
-
 @pytest.fixture(scope="session")
 def graph_hooks_engine(hooked) -> Callable[[str], HookedVLLM]:
     """``graph_hooks_engine("llama")``: the session's compiled fp32 engine of a tiny model on which
     hook functions run at every name that can carry them (``compiled_hooks``), built once."""
-    return lambda arch: hooked(arch, compiled_hooks=every_hookable_name)
+    return lambda arch: hooked(arch, compiled_hooks=every_name)
 
 
 @pytest.fixture(scope="session")
