@@ -17,7 +17,9 @@ decoding:
 - ``default``: the engine ``HookedVLLM.from_pretrained(path)`` gives with nothing declared (on a
   GPU compiled, with a hook site at every name; on the CPU eager), with the eager worker's
   workloads (named ``default_*``) and two more: a hook function cloning one layer's value per
-  step (*read*) and one doing nothing at every layer (*nothing_all*).
+  step (*read*) and one doing nothing at every layer (*nothing_all*). Both end with a
+  TransformerLens notebook's workload: ``run_with_cache`` of every name over 4 prompts of 12
+  tokens (*demo_cache*), then ``patching.get_act_patch_resid_pre`` over them (*demo_patch*).
 - ``compiled``: plain ``vllm.LLM`` in vLLM's default mode (torch.compile + CUDA graphs on GPU),
   prefix caching off, in-process like vlens.
 - ``graph_1`` / ``graph_all``: vlens's compiled engine (names traced into
@@ -432,6 +434,7 @@ def worker_eager(
             timer.measure("nothing_all", "generate",
                           lambda: hooked(new, [(name, nothing) for name in every]), rep=rep)
     timer.measure("plain", "generate", lambda: plain(new, False), rep=timer.reps)
+    demo(model, prompts, timer)
 
     if profile is not None:
         short = preset["profile_new_tokens"]
@@ -444,6 +447,40 @@ def worker_eager(
     if "cache_all_generate" not in skip:
         timer.measure("cache_all", "generate", lambda: cache(every, new), rep=0)
     timer.meta["peak_rss_bytes_eager_worker"] = peak_rss_bytes()
+
+
+def demo(model: Any, prompts: list[list[int]], timer: Timer | Prefixed) -> None:
+    """A TransformerLens notebook's workload, as its notebooks write it: ``run_with_cache`` of
+    every name over a few short prompts (*demo_cache*), then a residual patching sweep over every
+    layer and position of them (*demo_patch*: one request per cell and prompt, each with its own
+    patching hook), counted in the tokens the engine runs."""
+    import torch
+
+    from vlens import patching
+
+    batch, length = DEMO_SHAPE[0], min(DEMO_SHAPE[1], len(prompts[0]))
+    clean = torch.tensor([prompt[:length] for prompt in prompts[:batch]])
+    corrupted = torch.tensor([prompt[-length:] for prompt in prompts[:batch]])
+    clean_cache: list[Any] = [None]
+
+    def cache_every_name() -> int:
+        clean_cache[0] = model.run_with_cache(clean)[1]
+        return batch * length
+
+    def metric(logits: torch.Tensor) -> torch.Tensor:
+        return logits[:, -1, 0].mean()
+
+    def sweep() -> int:
+        patching.get_act_patch_resid_pre(model, corrupted, clean_cache[0], metric)
+        return model.cfg.n_layers * length * batch * length
+
+    for rep in range(timer.reps):
+        if timer.measure("demo_cache", "prefill", cache_every_name, rep=rep) is not None:
+            timer.measure("demo_patch", "prefill", sweep, rep=rep)
+
+
+#: A TransformerLens demo's batch: prompts and tokens each (:func:`demo`).
+DEMO_SHAPE = (4, 12)
 
 
 class Prefixed:

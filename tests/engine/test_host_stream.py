@@ -161,6 +161,28 @@ def test_a_compiled_call_writes_its_cache_on_the_host_as_steps_end(hooked, monke
     assert_saved_alone(cache, names)
 
 
+def test_the_default_engine_writes_its_cache_on_the_host_as_steps_end(hooked, monkeypatch):
+    """Names read where no hook function runs go into the host's cache as steps end on the
+    default engine too (eager here; on a GPU its hook sites), and the cache equals the one kept
+    request by request where a hook function runs at each name."""
+    written = []
+    original = HostStream.write
+    monkeypatch.setattr(HostStream, "write",
+                        lambda self, names, *a: written.extend(names) or original(self, names, *a))
+    names = ("blocks.0.hook_resid_post", "blocks.1.attn.hook_z", "blocks.1.mlp.hook_post")
+    model = hooked("llama")
+    prompts = ["The host stream", "keeps rows as steps end, in their place, prompt by prompt"]
+    _, cache = model.run_with_cache(prompts, max_new_tokens=3, names_filter=list(names))
+    assert set(names) <= set(written)  # and the logits, where run_with_cache reads them
+    written.clear()
+    with model.hooks(fwd_hooks=[(name, lambda value, hook: None) for name in names]):
+        _, expected = model.run_with_cache(prompts, max_new_tokens=3, names_filter=list(names))
+    assert not set(written) & set(names)
+    for name in names:
+        assert torch.equal(cache[name], expected[name]), name
+    assert_saved_alone(cache, names)
+
+
 def assert_saved_alone(cache, names) -> None:
     """Each name's value has a storage of its own bytes: ``torch.save`` of one name writes that
     name (not every name written with it), as with an eager cache."""

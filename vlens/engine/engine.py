@@ -228,7 +228,7 @@ class Engine:
             inputs.append(TokensPrompt(prompt_token_ids=prompt, **salted))
         streamed = device == "cpu" and bool(params.max_tokens) and self.streams_to_host()
         if streamed:
-            # the compiled engine writes kept rows into the host's cache as steps end
+            # kept rows are written into the host's cache as steps end
             plans = [
                 replace(plan, positions=len(prompt) + params.max_tokens - 1,
                         shared_host=not self.in_process)
@@ -276,8 +276,9 @@ class Engine:
         return Handback.of_ranks(self._on_workers("finish", tags, "cuda" if on_gpu else device))
 
     def streams_to_host(self) -> bool:
-        """Whether the compiled engine can write a call's kept rows into the host's cache as steps
-        end: in this process, or in memory of worker processes that this process maps."""
+        """Whether the workers can write a call's kept rows into the host's cache as steps end: in
+        this process, or (the compiled engine) in memory of worker processes that this process
+        maps."""
         return self.in_process or (self.compiled and self.maps_worker_memory())
 
     def maps_worker_memory(self) -> bool:

@@ -128,15 +128,16 @@ class WorkerRuntime:
     def prepare(self, requests: dict[str, RequestPlan]) -> None:
         """Follow these requests (by tag) and install the sites their plans need."""
         refusal = unsupported(self.parallel is not None)
+        slots = {
+            tag: Slot(plan.index, plan.call_size, plan.positions, plan.shared_host)
+            for tag, plan in requests.items()
+            if plan.positions
+        }
         for tag, plan in requests.items():
             self.wanted[tag] = plan
             self.captures[tag] = RequestCapture()
             if self.graph is not None:
-                slot = (
-                    Slot(plan.index, plan.call_size, plan.positions, plan.shared_host)
-                    if plan.positions
-                    else None
-                )
+                slot = slots.get(tag)
                 try:
                     self.graph.prepare(tag, plan.graph_keep, plan.steering, slot)
                 except Exception:  # refused (an SAE's feature table is full): forget the call
@@ -151,7 +152,7 @@ class WorkerRuntime:
         for site in {site for plan in self.wanted.values() for site in plan.sites}:
             if site not in self.handles and site not in self.graph_hook_sites:
                 self.handles[site] = install_site(self.model, site, self.sites.fired(site))
-        self.sites.follow()
+        self.sites.follow(slots)
         self._activate_graph_hook_sites()
 
     def finish(self, tags: list[str], device: str = "cpu") -> Handback:
@@ -164,7 +165,7 @@ class WorkerRuntime:
         try:
             for tag, formed in self.attention.finish(tags, device).items():
                 captures[tag].formed.update(formed)
-            padded = self.sites.kept_steps.take(tags, kept_names, device)
+            padded = self.sites.take(tags, kept_names, device)
             if self.graph is not None:
                 traced = self.graph.finish(tags, device)
                 assert not traced.keys() & padded.keys(), "a traced name was also read eagerly"
@@ -321,6 +322,7 @@ class WorkerRuntime:
             self.graph.before_step(self.layout)
 
     def step_finished(self) -> None:
+        self.sites.end_step()
         if self.graph is not None:
             self.graph.after_step(self.layout)
 

@@ -2,7 +2,10 @@
 compiled one): the step's requests that need it grouped by call, the hook functions a call's
 prompts share run once on the call's padded batch and each prompt's own on its rows
 (:mod:`vlens.runtime.hooks.batches`, :mod:`vlens.runtime.hooks.calls`), with their edits written
-back, the values asked for kept, and names no hook touches read once over the whole step
+back, the values asked for kept, and names no hook touches read once over the whole step: into
+the host's cache as the step ends where the call keeps it there and says how far each request
+runs (:mod:`vlens.runtime.transfer.host_stream`, on a GPU by the copy engines while later steps
+compute), else kept on the device until the requests finish
 (:mod:`vlens.runtime.steps.kept_steps`).
 
 At each name of a site, in forward order: the shared functions, then each prompt's own, then
@@ -19,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from vlens.runtime.hooks.batches import HookBatch, Member, call_of
@@ -32,10 +36,12 @@ from vlens.runtime.sites.torch_hooks import NarrowedCall, buffers_of, read_rows
 from vlens.runtime.steps.kept_steps import KeptSteps, Segment, add_chunk, copy_rows, kept_rows
 from vlens.runtime.steps.layout import RequestRows
 from vlens.runtime.tensor_parallel import TensorParallel
+from vlens.runtime.transfer.host_stream import HostStream, Slot
 from vlens.runtime.transfer.messages import (
     Chunk,
     HookError,
     NamePlan,
+    PaddedRows,
     RequestCapture,
     RequestPlan,
 )
@@ -57,8 +63,14 @@ class EagerSites:
     rows_for: Callable[[Site], list[RequestRows]]
     parallel: TensorParallel | None
     hands_back: bool
-    #: whole steps' kept rows of names read without hooks
+    #: whole steps' kept rows of names read without hooks, where the call gave no :class:`Slot`
     kept_steps: KeptSteps = field(default_factory=KeptSteps)
+    #: the same written into the host's cache as steps end, where it did
+    stream: HostStream | None = None
+    #: the requests :attr:`stream` follows that keep something
+    stream_keepers: set[str] = field(default_factory=set)
+    #: this step's rows of those requests, once :attr:`stream` began the step
+    stream_rows: slice | Tensor | None = None
     #: this step's kept rows by the tags that keep them (:func:`kept_rows`), for every name
     step_rows: dict[tuple[str, ...], tuple[slice | Tensor, list[Segment]]] = field(
         default_factory=dict
@@ -75,8 +87,21 @@ class EagerSites:
     #: requests in :attr:`step_calls`, beside that list (made once for every layer's site)
     step_batches: dict[int, tuple[list[Member], HookBatch]] = field(default_factory=dict)
 
-    def follow(self) -> None:
-        """New requests joined ``wanted``."""
+    def follow(self, slots: dict[str, Slot]) -> None:
+        """New requests joined ``wanted``; those of ``slots`` belong to a call that keeps its
+        cache on the host (all of the call's, or none)."""
+        if slots and HostStream.available(self._device()) and self.hands_back:
+            if self.stream is None:
+                if self.kept_steps.entries or len(self.wanted) > len(slots):
+                    raise RuntimeError("a call's requests have slots, others followed have none")
+                first = next(iter(slots.values()))
+                self.stream = HostStream(first.batch, self._device(), first.shared)
+            for tag, slot in slots.items():
+                self.stream.follow(tag, slot)
+                if self.wanted[tag].kept_names():
+                    self.stream_keepers.add(tag)
+        elif self.stream is not None:
+            raise RuntimeError("requests without slots joined a call whose rows stream")
         self.refresh()
 
     def forget(self, tags: list[str]) -> None:
@@ -84,13 +109,38 @@ class EagerSites:
         self.refresh()
         if self.wanted:  # requests overlap (a server): forget only the finished ones
             self.kept_steps.forget(tags)
-        else:
-            self.kept_steps.clear()
+            return
+        self.kept_steps.clear()
+        if self.stream is not None:
+            self.stream.end_call()
+            self.stream = None
+            self.stream_keepers.clear()
+
+    def take(
+        self, tags: list[str], kept_names: dict[str, frozenset[str]], device: str
+    ) -> dict[str, PaddedRows]:
+        """The whole steps' kept rows of these finished requests, on ``device``."""
+        if self.stream is None:
+            return self.kept_steps.take(tags, kept_names, device)
+        if device != "cpu":
+            raise ValueError(f"this call's rows went to the host, not to {device}")
+        return self.stream.take(tags, kept_names)
 
     def new_step(self) -> None:
+        self.end_step()  # a step that raised did not end
         self.step_rows.clear()
         self.step_calls.clear()
         self.step_batches.clear()
+
+    def end_step(self) -> None:
+        """The step's forward is over: its rows are on their way to the host."""
+        if self.stream_rows is not None:
+            self.stream_rows = None
+            assert self.stream is not None
+            self.stream.end_step()
+
+    def _device(self) -> torch.device:
+        return next(self.model.parameters()).device
 
     def fired(self, site: Site) -> Callable[[tuple, dict, Any], None]:
         """What the site does when vLLM calls its module: for the requests of this step that
@@ -271,7 +321,9 @@ class EagerSites:
         for name, (plan, keepers) in by_name.items():
             try:
                 value = plan.read(call)  # every rank reads: a split value is gathered
-                if self.hands_back:
+                if self.stream is not None:
+                    self._stream_rows(site, name, value)
+                elif self.hands_back:
                     requests = [rows for rows, _ in keepers]
                     tags = tuple(rows.tag for rows in requests)
                     if tags not in self.step_rows:
@@ -281,3 +333,18 @@ class EagerSites:
             except Exception:
                 for _, capture in keepers:
                     capture.error = f"while reading {name}:\n{traceback.format_exc()}"
+
+    def _stream_rows(self, site: Site, name: str, value: Tensor) -> None:
+        """One step's rows of ``name`` into the host's cache: the rows of every request the
+        stream follows that keeps something (a request's rows of a name it does not keep are
+        zeroed as it is taken), worked out at the step's first such name."""
+        stream = self.stream
+        assert stream is not None
+        if self.stream_rows is None:
+            requests = [rows for rows in self.rows_for(site) if rows.tag in self.stream_keepers]
+            self.stream_rows = kept_rows(requests, value.device)[0]
+            stream.begin_step(requests)
+        if value.is_cuda:  # a copy the step no longer changes, for the copy engines
+            stream.write([name], copy_rows(value, self.stream_rows)[None])
+        else:  # scattered at once
+            stream.write([name], [value[self.stream_rows]])

@@ -94,8 +94,8 @@ class RequestPlan:
     attention: tuple[AttentionPlan, ...] = ()
     call_size: int = 1
     #: the most positions the request runs (its prompt and every new token but the last), where
-    #: its call keeps its cache on the host: the compiled engine then writes its kept rows into that
-    #: cache as steps end; 0 where not known
+    #: its call keeps its cache on the host: its kept rows are then written into that cache as
+    #: steps end; 0 where not known
     positions: int = 0
     #: whether that cache must be memory the user's process maps from a worker process
     #: (:mod:`vlens.runtime.transfer.host_blocks`) rather than the worker's own
