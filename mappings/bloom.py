@@ -63,6 +63,7 @@ from vlens.names.mapping import (
     DerivedSpec,
     ExplicitAttention,
     ExplicitStage,
+    Shards,
     Spec,
     attention_pattern,
     attention_scores,
@@ -137,7 +138,11 @@ def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
     resid_pre = entering(LAYER, Argument(1, "hidden_states"))
     resid_mid = entering(f"{LAYER}.post_attention_layernorm", Argument(0, "input"))
     resid_final = entering("transformer.ln_f", Argument(0, "input"))
-    qkv = leaving(f"{ATTN}.query_key_value", element=0)
+    # Under tensor parallelism each rank holds its heads of these (and their ALiBi slopes), and
+    # its part of d_mlp.
+    heads_split, mlp_split = Shards(-1, (d_model,)), Shards(-1, (4 * d_model,))
+    qkv = leaving(f"{ATTN}.query_key_value", element=0,
+                  shards=Shards(-1, (d_model, d_model, d_model)))
     explicit = ExplicitAttention(
         kernel=f"{ATTN}.attn",
         projection=f"{ATTN}.dense",
@@ -172,16 +177,19 @@ def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
             f"{BLOCK}.attn.hook_q", f"{BLOCK}.attn.hook_k", scale, explicit, alibi=slopes
         ),
         f"{BLOCK}.attn.hook_pattern": attention_pattern(f"{BLOCK}.attn.hook_attn_scores", explicit),
-        f"{BLOCK}.attn.hook_z": per_head(entering(f"{ATTN}.dense", Argument(0, "input_")), d_head),
+        f"{BLOCK}.attn.hook_z": per_head(
+            entering(f"{ATTN}.dense", Argument(0, "input_", heads_split)), d_head
+        ),
         f"{BLOCK}.attn.hook_result": results,
         f"{BLOCK}.hook_attn_out": leaving(ATTN),
         f"{BLOCK}.hook_resid_mid": resid_mid,
         f"{BLOCK}.hook_mlp_in": resid_mid,
         f"{BLOCK}.ln2.hook_scale": layer_norm_scale(resid_mid, eps),
         f"{BLOCK}.ln2.hook_normalized": layer_norm_normalized(resid_mid, eps),
-        f"{BLOCK}.mlp.hook_pre": leaving(f"{MLP}.dense_h_to_4h", element=0, shape="pos d_mlp"),
+        f"{BLOCK}.mlp.hook_pre": leaving(f"{MLP}.dense_h_to_4h", element=0, shape="pos d_mlp",
+                                         shards=mlp_split),
         f"{BLOCK}.mlp.hook_post": entering(
-            f"{MLP}.dense_4h_to_h", Argument(0, "input_"), shape="pos d_mlp"
+            f"{MLP}.dense_4h_to_h", Argument(0, "input_", mlp_split), shape="pos d_mlp"
         ),
         f"{BLOCK}.hook_mlp_out": leaving(MLP),
         f"{BLOCK}.hook_resid_post": leaving(LAYER),
@@ -233,6 +241,7 @@ MAPPING = ArchitectureMapping(
     hook_specs=hook_specs,
     weights=WEIGHTS,
     compiled_graph=True,
+    tensor_parallel=True,
     tiny_configs={"bloom": tiny_config},
     hf_recorder="hf_bloom",
     no_bridge_reference=(
