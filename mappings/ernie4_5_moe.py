@@ -41,7 +41,7 @@ from vlens.mappings._moe import ROUTING_NAMES, moe_member, with_experts
 from vlens.mappings._tiny import rotary_dims
 from vlens.mappings.llama import BLOCK, MLP
 from vlens.names.derived import GroupedTopK
-from vlens.names.mapping import Spec, difference, inserted_before, leaving
+from vlens.names.mapping import PartialSums, Spec, difference, inserted_before, leaving
 
 SHARED_NAMES = tuple(f"{BLOCK}.mlp.hook_{n}" for n in ("shared_out", "routed_out"))
 BIAS = "model.layers.{layer}.mlp.moe_statics.e_score_correction_bias"
@@ -78,7 +78,9 @@ def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
     if not getattr(config, "moe_num_shared_experts", 0):  # vLLM then builds no shared experts
         return specs
     shared = {
-        SHARED_NAMES[0]: leaving(f"{MLP}.shared_experts"),
+        # Under tensor parallelism each rank holds its part of d_mlp, so the shared experts'
+        # output is a partial sum until the block's one all-reduce.
+        SHARED_NAMES[0]: leaving(f"{MLP}.shared_experts", shards=PartialSums()),
         SHARED_NAMES[1]: difference(f"{BLOCK}.hook_mlp_out", SHARED_NAMES[0]),
     }
     return inserted_before(specs, f"{BLOCK}.hook_mlp_out", shared)
@@ -112,7 +114,6 @@ MAPPING = dataclasses.replace(
         tiny_configs={"ernie4_5_moe": tiny_config},
         moe_names=(*ROUTING_NAMES, *SHARED_NAMES),
         is_moe_layer=is_moe_layer,
-        tensor_parallel=False,
     ),
     hf_recorder="hf_decoder_moe",  # interleaved rotary, the correction bias, shared_experts
 )

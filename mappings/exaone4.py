@@ -184,10 +184,7 @@ MAPPING = ArchitectureMapping(
     weights=WEIGHTS,
     unavailable=pre_norm_error,
     compiled_graph=True,
-    not_offered={
-        "tensor_parallel": "two ranks read every name and steer as one, but a hook function "
-        "shared by a call's prompts gives other tokens than on one rank, not yet explained",
-    },
+    tensor_parallel=True,
     tiny_configs={"exaone4": tiny_config},
     hf_recorder="hf_exaone4",
 )

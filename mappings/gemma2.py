@@ -206,8 +206,5 @@ MAPPING = ArchitectureMapping(
     tiny_configs={"gemma2": tiny_config},
     hf_recorder="hf_gemma",
     compiled_graph=True,
-    not_offered={
-        "tensor_parallel": "two ranks read every name as one, but the tiny model's greedy tokens "
-        "do not move under the suite's steering of a split value, so steering is unchecked",
-    },
+    tensor_parallel=True,
 )

@@ -87,11 +87,10 @@ def tiny_config() -> PretrainedConfig:
 
 
 def granite_member(architecture: str, **differences: Any) -> ArchitectureMapping:
-    """A MoE member of Granite: ``moe_member``'s fields, with Granite's weights (scaled logits)
-    and without tensor parallelism (the values its experts split over ranks are not marked);
+    """A MoE member of Granite: ``moe_member``'s fields, with Granite's weights (scaled logits);
     its HuggingFace reference is ``parity/hf_decoder_moe.py``."""
     bridge = differences.pop("no_bridge_reference", None)
-    member = moe_member(granite.MAPPING, architecture, tensor_parallel=False, **differences)
+    member = moe_member(granite.MAPPING, architecture, **differences)
     member = dataclasses.replace(member, hf_recorder="hf_decoder_moe")
     return member if bridge is None else dataclasses.replace(member, no_bridge_reference=bridge)
 

@@ -88,7 +88,6 @@ MAPPING = llama.MAPPING.member(
     "NemotronForCausalLM",
     hook_specs=hook_specs,
     weights=WEIGHTS,
-    tensor_parallel=False,
     compiled_graph=False,
     not_offered={
         # Every name read the same as eager within 2.2e-6 relative per token on the tiny

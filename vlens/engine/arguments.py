@@ -182,8 +182,8 @@ def prepare_engine(
             # vLLM's CPU default reserves a share of the machine's memory for every engine.
             user_args.setdefault("kv_cache_memory_bytes", CPU_KV_CACHE_BYTES)
         ranks = int(user_args.get("tensor_parallel_size") or 1)
-        if ranks > 1:
-            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cores_per_rank(ranks))
+        if ranks > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:  # the user's wins
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cores_per_rank(ranks)
     return {**engine_args(user_args, compiled, graph_hooks), **WORKER_EXTENSION}
 
 
