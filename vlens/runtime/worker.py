@@ -130,14 +130,14 @@ class WorkerRuntime:
         refusal = unsupported(self.parallel is not None)
         slots = {
             tag: Slot(plan.index, plan.call_size, plan.positions, plan.shared_host)
+            if plan.positions else None
             for tag, plan in requests.items()
-            if plan.positions
         }
         for tag, plan in requests.items():
             self.wanted[tag] = plan
             self.captures[tag] = RequestCapture()
             if self.graph is not None:
-                slot = slots.get(tag)
+                slot = slots[tag]
                 try:
                     self.graph.prepare(tag, plan.graph_keep, plan.steering, slot)
                 except Exception:  # refused (an SAE's feature table is full): forget the call

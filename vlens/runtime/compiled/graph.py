@@ -56,7 +56,7 @@ from vlens.runtime.steps.kept_steps import (
 )
 from vlens.runtime.steps.layout import RequestRows, StepRows
 from vlens.runtime.tensor_parallel import TensorParallel
-from vlens.runtime.transfer.host_stream import HostStream, Slot
+from vlens.runtime.transfer.host_stream import HostStream, Slot, joined, taken
 from vlens.runtime.transfer.messages import PaddedRows
 from vlens.runtime.vocabulary.locations import Site
 from vlens.runtime.vocabulary.readers import LogitsOf, Reader
@@ -259,14 +259,8 @@ class GraphSites:
         as steps end."""
         self.revision += 1
         self.call.kept_names[tag] = keep
-        if slot is not None and HostStream.available(self.device):
-            if self.call.stream is None:
-                if self.call.kept_steps.entries or len(self.call.kept_names) > 1:
-                    raise RuntimeError(f"request {tag} has a slot, the call's others had none")
-                self.call.stream = HostStream(slot.batch, self.device, slot.shared)
-            self.call.stream.follow(tag, slot)
-        elif self.call.stream is not None:
-            raise RuntimeError(f"request {tag} has no slot, the call's others had one")
+        others = bool(self.call.kept_steps.entries) or len(self.call.kept_names) > 1
+        self.call.stream = joined(self.call.stream, tag, slot, self.device, others)
         own = {}
         self.call.steering[tag] = own
         for steer in steers:
@@ -408,11 +402,8 @@ class GraphSites:
         """The finished requests' kept rows, on ``device`` (see :class:`KeptSteps`). Forgets
         the call once no request is left, even when handing back fails."""
         try:
-            if self.call.stream is not None:
-                if device != "cpu":
-                    raise ValueError(f"this call's rows went to the host, not to {device}")
-                return self.call.stream.take(tags, self.call.kept_names)
-            return self.call.kept_steps.take(tags, self.call.kept_names, device)
+            return taken(self.call.stream, self.call.kept_steps, tags, self.call.kept_names,
+                         device)
         finally:
             self.revision += 1
             for tag in tags:

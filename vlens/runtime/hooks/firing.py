@@ -22,7 +22,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
 from vlens.runtime.hooks.batches import HookBatch, Member, call_of
@@ -36,7 +35,7 @@ from vlens.runtime.sites.torch_hooks import NarrowedCall, buffers_of, read_rows
 from vlens.runtime.steps.kept_steps import KeptSteps, Segment, add_chunk, copy_rows, kept_rows
 from vlens.runtime.steps.layout import RequestRows
 from vlens.runtime.tensor_parallel import TensorParallel
-from vlens.runtime.transfer.host_stream import HostStream, Slot
+from vlens.runtime.transfer.host_stream import HostStream, Slot, joined, taken
 from vlens.runtime.transfer.messages import (
     Chunk,
     HookError,
@@ -87,21 +86,17 @@ class EagerSites:
     #: requests in :attr:`step_calls`, beside that list (made once for every layer's site)
     step_batches: dict[int, tuple[list[Member], HookBatch]] = field(default_factory=dict)
 
-    def follow(self, slots: dict[str, Slot]) -> None:
-        """New requests joined ``wanted``; those of ``slots`` belong to a call that keeps its
-        cache on the host (all of the call's, or none)."""
-        if slots and HostStream.available(self._device()) and self.hands_back:
-            if self.stream is None:
-                if self.kept_steps.entries or len(self.wanted) > len(slots):
-                    raise RuntimeError("a call's requests have slots, others followed have none")
-                first = next(iter(slots.values()))
-                self.stream = HostStream(first.batch, self._device(), first.shared)
-            for tag, slot in slots.items():
-                self.stream.follow(tag, slot)
-                if self.wanted[tag].kept_names():
-                    self.stream_keepers.add(tag)
-        elif self.stream is not None:
-            raise RuntimeError("requests without slots joined a call whose rows stream")
+    def follow(self, slots: dict[str, Slot | None]) -> None:
+        """New requests joined ``wanted``, each with its :class:`Slot` where its call keeps its
+        cache on the host (:func:`~vlens.runtime.transfer.host_stream.joined`); one rank hands
+        back, so only it streams."""
+        device = next(self.model.parameters()).device
+        others = bool(self.kept_steps.entries) or bool(self.wanted.keys() - slots.keys())
+        for tag, slot in slots.items():
+            self.stream = joined(self.stream, tag, slot if self.hands_back else None, device,
+                                 others)
+            if self.stream is not None and self.wanted[tag].kept_names():
+                self.stream_keepers.add(tag)
         self.refresh()
 
     def forget(self, tags: list[str]) -> None:
@@ -120,11 +115,7 @@ class EagerSites:
         self, tags: list[str], kept_names: dict[str, frozenset[str]], device: str
     ) -> dict[str, PaddedRows]:
         """The whole steps' kept rows of these finished requests, on ``device``."""
-        if self.stream is None:
-            return self.kept_steps.take(tags, kept_names, device)
-        if device != "cpu":
-            raise ValueError(f"this call's rows went to the host, not to {device}")
-        return self.stream.take(tags, kept_names)
+        return taken(self.stream, self.kept_steps, tags, kept_names, device)
 
     def new_step(self) -> None:
         self.end_step()  # a step that raised did not end
@@ -138,9 +129,6 @@ class EagerSites:
             self.stream_rows = None
             assert self.stream is not None
             self.stream.end_step()
-
-    def _device(self) -> torch.device:
-        return next(self.model.parameters()).device
 
     def fired(self, site: Site) -> Callable[[tuple, dict, Any], None]:
         """What the site does when vLLM calls its module: for the requests of this step that

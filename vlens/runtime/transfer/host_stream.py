@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from vlens.runtime.steps.kept_steps import StepRuns, layout_spans, row_index
+from vlens.runtime.steps.kept_steps import KeptSteps, StepRuns, layout_spans, row_index
 from vlens.runtime.steps.layout import RequestRows
 from vlens.runtime.transfer import host_blocks
 from vlens.runtime.transfer.messages import PaddedRows, Span
@@ -217,6 +217,38 @@ class HostStream:
         self._groups[names] = host
         for name, name_rows in zip(names, host):
             self.host[name] = name_rows
+
+
+def joined(
+    stream: HostStream | None, tag: str, slot: Slot | None, device: torch.device, others: bool
+) -> HostStream | None:
+    """The stream of a call once request ``tag`` joined it (None: its rows wait on the device,
+    in :class:`~vlens.runtime.steps.kept_steps.KeptSteps`): a ``slot`` where its call keeps its
+    cache on the host and rows on ``device`` can be written there as steps end. A call's
+    requests all have slots or none do; ``others``: requests already followed without one."""
+    if slot is None or not HostStream.available(device):
+        if stream is not None:
+            raise RuntimeError(f"request {tag} has no slot, the call's others had one")
+        return None
+    if stream is None:
+        if others:
+            raise RuntimeError(f"request {tag} has a slot, the call's others had none")
+        stream = HostStream(slot.batch, device, slot.shared)
+    stream.follow(tag, slot)
+    return stream
+
+
+def taken(
+    stream: HostStream | None, kept: KeptSteps, tags: Sequence[str],
+    kept_names: Mapping[str, frozenset[str]], device: str,
+) -> dict[str, PaddedRows]:
+    """The finished requests' kept rows, on ``device``: from the host's cache where the call's
+    rows streamed there, else laid out from the steps kept on the device."""
+    if stream is None:
+        return kept.take(tags, kept_names, device)
+    if device != "cpu":
+        raise ValueError(f"this call's rows went to the host, not to {device}")
+    return stream.take(tags, kept_names)
 
 
 def _zero_outside(padded: Tensor, spans: Sequence[Sequence[Span]]) -> None:
