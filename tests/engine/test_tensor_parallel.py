@@ -42,18 +42,23 @@ def test_every_name_equals_one_rank(two_ranks, hooked):
 def test_steering_a_split_value_equals_one_rank(two_ranks, hooked):
     arch, parallel = two_ranks
     single = hooked(arch)
-    generator = torch.Generator().manual_seed(3)
-    # large: Gemma's scaled embeddings need it
-    shift = 10 * torch.randn(single.cfg.n_heads, single.cfg.d_head, generator=generator)
 
     def steer(z, hook):
-        z[:, :] += shift.to(z.device)  # in place, on the whole value: written back as each rank's slice
+        # in place, on the whole value: written back as each rank's slice
+        z[:, :] += head_shift(z, seed=3)
 
     hooks = [[("blocks.1.attn.hook_z", steer)], []]  # prompt 0 only
     ours = parallel.generate(TEXTS, max_new_tokens=6, do_sample=False, prompt_hooks=hooks, return_type="result")
     theirs = single.generate(TEXTS, max_new_tokens=6, do_sample=False, prompt_hooks=hooks, return_type="result")
     assert ours == theirs
     assert_steered_as_one_rank(parallel, single, TEXTS, moved=[0], prompt_hooks=hooks)
+
+
+def head_shift(z: torch.Tensor, seed: int) -> torch.Tensor:
+    """A seeded shift of every head of ``z`` ``[..., head, d]`` (``d``: d_head, or DeepSeek's
+    v_head_dim), large: Gemma's scaled embeddings need it."""
+    shift = 10 * torch.randn(z.shape[-2:], generator=torch.Generator().manual_seed(seed))
+    return shift.to(z.device, z.dtype)
 
 
 def assert_steered_as_one_rank(parallel, single, prompts, moved, **hooks) -> None:
@@ -68,26 +73,36 @@ def assert_steered_as_one_rank(parallel, single, prompts, moved, **hooks) -> Non
         assert (changed > 1e-2) == (index in moved), (index, changed)
 
 
+#: A value each rank holds a partial sum of until vLLM's all-reduce, per architecture: the
+#: shared experts' output (Qwen2-MoE, Ernie 4.5 MoE, DeepSeek), and a parallel block's attention and MLP
+#: outputs, which vLLM adds before one all-reduce (Cohere, Cohere 2, Falcon).
+PARTIAL_SUMS = {
+    "qwen2_moe": "blocks.1.mlp.hook_shared_out",
+    "ernie4_5_moe": "blocks.1.mlp.hook_shared_out",
+    "deepseek_v2": "blocks.1.mlp.hook_shared_out",
+    "cohere": "blocks.1.hook_attn_out",
+    "cohere2": "blocks.1.hook_mlp_out",
+    "falcon": "blocks.1.hook_attn_out",
+}
+
+
 def test_editing_a_partial_sum_over_ranks_equals_one_rank(two_ranks, hooked):
-    """Qwen2-MoE's and Ernie 4.5 MoE's shared expert output is a partial sum on each rank until
-    the block's all-reduce: read whole (summed), and an edit's difference written to rank 0's
-    part."""
+    """A partial sum is read whole (summed over the ranks), and an edit's difference is written
+    to rank 0's part."""
     arch, parallel = two_ranks
-    if arch not in ("qwen2_moe", "ernie4_5_moe"):
-        pytest.skip("only Qwen2-MoE and Ernie 4.5 MoE hold a partial sum over ranks (their "
-                    "shared experts' output)")
+    if arch not in PARTIAL_SUMS:
+        pytest.skip(f"{arch} holds no partial sum over ranks")
     single = hooked(arch)
     shift = torch.randn(single.cfg.d_model, generator=torch.Generator().manual_seed(6))
 
     def steer(value, hook):
         return value * 0.5 + shift.to(value.device)
 
-    hooks = [[("blocks.1.mlp.hook_shared_out", steer)], []]  # prompt 0 only
+    hooks = [[(PARTIAL_SUMS[arch], steer)], []]  # prompt 0 only
     options = dict(max_new_tokens=6, do_sample=False, return_type="result", prompt_hooks=hooks)
     ours = parallel.generate(TEXTS, **options)
     assert ours == single.generate(TEXTS, **options)
-    assert ours[0] != single.generate(TEXTS[0], max_new_tokens=6, do_sample=False,
-                                      return_type="result")[0]
+    assert_steered_as_one_rank(parallel, single, TEXTS, moved=[0], prompt_hooks=hooks)
 
 
 def test_a_shared_hook_on_the_batch_equals_one_rank(two_ranks, hooked):
@@ -96,13 +111,10 @@ def test_a_shared_hook_on_the_batch_equals_one_rank(two_ranks, hooked):
     arch, parallel = two_ranks
     single = hooked(arch)
     tokens = torch.randint(2, 500, (2, 6), generator=torch.Generator().manual_seed(4))
-    # large, as above
-    shift = 10 * torch.randn(single.cfg.n_heads, single.cfg.d_head,
-                             generator=torch.Generator().manual_seed(5))
 
     def steer_second(z, hook):
         assert z.shape[0] == 2 and hook.requests == (0, 1)
-        z[1] += shift.to(z.device)
+        z[1] += head_shift(z, seed=5)
 
     hooks = [("blocks.1.attn.hook_z", steer_second)]
     ours = parallel.generate(tokens, max_new_tokens=6, do_sample=False, fwd_hooks=hooks, return_type="result")

@@ -37,8 +37,10 @@ class TensorParallel:
         return cls(get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size())
 
     def local_widths(self, shards: Shards, local: Tensor) -> list[int]:
-        widths = [part // self.size for part in shards.parts]
-        if any(part % self.size for part in shards.parts) or sum(widths) != local.shape[shards.dim]:
+        split = [index not in shards.replicated for index in range(len(shards.parts))]
+        widths = [part // self.size if cut else part for part, cut in zip(shards.parts, split)]
+        uneven = any(part % self.size for part, cut in zip(shards.parts, split) if cut)
+        if uneven or sum(widths) != local.shape[shards.dim]:
             raise NotImplementedError(
                 f"a value of parts {shards.parts} is not split evenly over {self.size} ranks "
                 f"(e.g. fewer key/value heads than ranks, which vLLM replicates): vlens cannot "
@@ -63,10 +65,11 @@ class TensorParallel:
         return self.own_slice(whole, split, local)
 
     def gather(self, local: Tensor, shards: Shards) -> Tensor:
-        """Every rank's slice joined into the whole value, parts in their original order. The
-        value is gathered along its last dimension, the split one flattened with those after it
-        (``[pos, heads, d_head]`` as ``[pos, heads * d_head]``): the one form of vLLM's
-        all-gather that every split value then takes."""
+        """Every rank's slice joined into the whole value, parts in their original order (a
+        replicated part as rank 0 holds it). The value is gathered along its last dimension, the
+        split one flattened with those after it (``[pos, heads, d_head]`` as
+        ``[pos, heads * d_head]``): the one form of vLLM's all-gather that every split value then
+        takes."""
         from vllm.distributed import tensor_model_parallel_all_gather
 
         widths = self.local_widths(shards, local)
@@ -78,12 +81,19 @@ class TensorParallel:
             chunk.split([width * inner for width in widths], dim=dim)
             for chunk in joined.chunk(self.size, dim=dim)
         ]
-        whole = torch.cat([ranks[p] for p in range(len(widths)) for ranks in per_rank], dim)
+        whole = torch.cat([
+            piece
+            for p in range(len(widths))
+            for piece in ([per_rank[0][p]] if p in shards.replicated else [r[p] for r in per_rank])
+        ], dim)
         return whole.unflatten(dim, (-1, *trailing))
 
     def own_slice(self, whole: Tensor, shards: Shards, local: Tensor) -> Tensor:
         """This rank's slice of a whole value (the inverse of :meth:`gather`)."""
-        widths = self.local_widths(shards, local)
+        self.local_widths(shards, local)  # refuses a value not split as ``shards`` says
         dim = shards.dim % whole.dim()
-        parts = whole.split([width * self.size for width in widths], dim=dim)
-        return torch.cat([part.chunk(self.size, dim=dim)[self.rank] for part in parts], dim)
+        parts = whole.split(list(shards.parts), dim=dim)
+        return torch.cat([
+            part if p in shards.replicated else part.chunk(self.size, dim=dim)[self.rank]
+            for p, part in enumerate(parts)
+        ], dim)

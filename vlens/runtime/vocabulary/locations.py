@@ -51,10 +51,13 @@ class SiteCall(Protocol):
 class Shards:
     """How vLLM splits a value over tensor-parallel ranks: along ``dim``, each of the fused
     ``parts`` (their whole widths, e.g. ``[q | k | v]``) split evenly, each rank holding its
-    slice of every part side by side. Values without it are whole on every rank."""
+    slice of every part side by side, except the parts numbered in ``replicated``, which every
+    rank holds whole (Falcon's one key/value head, which vLLM gives every rank). Values without
+    it are whole on every rank."""
 
     dim: int
     parts: tuple[int, ...]
+    replicated: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,89 @@
+"""First and second loads: plain compiled vLLM against the engine ``from_pretrained`` gives.
+
+    python bench/loads.py --preset gpu-short --out OUT_DIR
+
+Each load runs in a fresh process (nothing of one load stays in memory for the next), in the
+order plain, vlens, plain, vlens, all with the same ``VLLM_CACHE_ROOT`` (by default an empty
+folder under ``--work``, removed first): the first round fills vLLM's compile cache, the second
+reads it, as a user's second session does. Times are from the constructor's call to its return
+(weights, compilation or its cache, CUDA graph capture, KV cache). ``OUT_DIR/loads.json`` holds
+them; the table goes to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from run import PRESETS, engine_args, model_folder
+
+ENGINES = ("plain", "vlens")
+
+
+def load(engine: str, preset: dict, path: Path) -> float:
+    """Seconds to build ``engine`` on ``path`` (in this process)."""
+    start = time.perf_counter()
+    if engine == "plain":
+        from vllm import LLM
+
+        LLM(model=str(path), dtype=preset["dtype"], enforce_eager=False, **engine_args(preset))
+    else:
+        from vlens import HookedVLLM
+
+        HookedVLLM.from_pretrained(path, dtype=preset["dtype"], **engine_args(preset))
+    return time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="gpu-short")
+    parser.add_argument("--out", type=Path, default=Path("bench/out-loads"))
+    parser.add_argument("--work", type=Path, default=Path("/tmp/vlens-loads"))
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--engine", choices=ENGINES, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    preset = PRESETS[args.preset]
+    path = model_folder(preset, args.work)
+    if args.engine:  # one load, in its own process
+        print(json.dumps({"seconds": load(args.engine, preset, path)}), flush=True)
+        return 0
+
+    cache = args.work / "vllm-cache"
+    shutil.rmtree(cache, ignore_errors=True)
+    env = {**os.environ, "VLLM_CACHE_ROOT": str(cache), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    rows = []
+    for round_ in range(1, args.rounds + 1):
+        for engine in ENGINES:
+            command = [sys.executable, __file__, "--preset", args.preset, "--work",
+                       str(args.work), "--engine", engine]
+            done = subprocess.run(command, env=env, capture_output=True, text=True)
+            lines = [line for line in done.stdout.splitlines() if line.startswith('{"seconds"')]
+            seconds = json.loads(lines[-1])["seconds"] if done.returncode == 0 and lines else None
+            if seconds is None:
+                print(done.stderr[-3000:], file=sys.stderr)
+            rows.append({"round": round_, "engine": engine, "seconds": seconds})
+            print(f"[loads] round {round_} {engine:6s} "
+                  f"{'failed' if seconds is None else f'{seconds:.1f} s'}", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "loads.json").write_text(json.dumps(
+        {"preset": args.preset, "command": " ".join(sys.argv), "rows": rows}, indent=1))
+    print("| round | plain compiled vLLM | vlens `from_pretrained(path)` | ratio |")
+    print("| --- | --- | --- | --- |")
+    for round_ in range(1, args.rounds + 1):
+        plain, ours = (next(r["seconds"] for r in rows if r["round"] == round_ and r["engine"] == e)
+                       for e in ENGINES)
+        ratio = f"{ours / plain:.2f}" if plain and ours else "—"
+        print(f"| {round_} | {plain} s | {ours} s | {ratio} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
