@@ -7,7 +7,8 @@ string: the object itself, vectors of thousands of numbers, would be written to 
 for every request). ``generate`` takes the plan by its ticket, tags the request, starts every worker
 on it (inside the request where the graph does all it asks, :mod:`vlens.runtime.compiled.inline`; else
 with the worker call ``HookedVLLM`` makes), passes it on to vLLM's own client, and when it
-finishes fetches what was captured (one call) and holds it until the client fetches it (:mod:`vlens.serve.captures`). Requests
+finishes fetches what was captured (one call for the requests finishing together,
+:mod:`vlens.serve.finishes`) and holds it until the client fetches it (:mod:`vlens.serve.captures`). Requests
 without a ticket pass straight through.
 """
 
@@ -32,6 +33,7 @@ from vlens.engine.prefix_cache import CacheUse, cache_use, skips_reading
 from vlens.runtime.compiled.inline import INLINE_KEY
 from vlens.runtime.transfer.messages import TAG_KEY, Handback
 from vlens.serve.captures import HeldCaptures
+from vlens.serve.finishes import BatchedFinishes
 from vlens.serve.model import Planned, ServedModel
 
 #: The ``vllm_xargs`` key that carries a request's ticket (:meth:`VlensEngineClient.admit`).
@@ -85,6 +87,8 @@ class VlensEngineClient:
         self.tickets: dict[str, Planned] = {}
         #: calls of the workers so far, by method
         self.worker_calls: Counter[str] = Counter()
+        #: finished requests' hand-backs, one worker call for those ending together
+        self.finishes = BatchedFinishes(lambda tags: self._on_workers("finish", tags, "cpu"))
         #: HTTP requests being answered (a streamed one until its last event)
         self.in_flight = 0
         #: set at shutdown: new requests are refused with a 503
@@ -298,7 +302,7 @@ class VlensEngineClient:
         except Exception:
             return None
         try:
-            return Handback.of_ranks(await self._on_workers("finish", [tag], "cpu"))
+            return await self.finishes.finish(tag)
         except EngineDeadError:
             if self.stopping:  # the shutdown stopped the engine under a request it ended
                 return None

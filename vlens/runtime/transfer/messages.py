@@ -182,6 +182,15 @@ class Handback:
         padded = {name: rows for rank in ranks for name, rows in rank.padded.items()}
         return cls(ranks[0].captures, padded)
 
+    def of_request(self, tag: str, index: int) -> Handback:
+        """What request ``tag``, the ``index``-th of the call, captured: a hand-back of that one
+        request (its rows as views of the call's)."""
+        padded = {
+            name: PaddedRows(rows.values[index : index + 1], [rows.spans[index]])
+            for name, rows in self.padded.items()
+        }
+        return Handback({tag: self.captures[tag]}, padded)
+
 
 class HookError(RuntimeError):
     """A user's hook function failed, or returned something vlens cannot write back."""
