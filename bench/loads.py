@@ -42,6 +42,10 @@ def load(engine: str, preset: dict, path: Path) -> float:
     return time.perf_counter() - start
 
 
+def seconds_text(value: float | None) -> str:
+    return "failed" if value is None else f"{value:.1f} s"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="gpu-short")
@@ -70,8 +74,7 @@ def main(argv: list[str] | None = None) -> int:
             if seconds is None:
                 print(done.stderr[-3000:], file=sys.stderr)
             rows.append({"round": round_, "engine": engine, "seconds": seconds})
-            print(f"[loads] round {round_} {engine:6s} "
-                  f"{'failed' if seconds is None else f'{seconds:.1f} s'}", flush=True)
+            print(f"[loads] round {round_} {engine:6s} {seconds_text(seconds)}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "loads.json").write_text(json.dumps(
         {"preset": args.preset, "command": " ".join(sys.argv), "rows": rows}, indent=1))
@@ -81,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         plain, ours = (next(r["seconds"] for r in rows if r["round"] == round_ and r["engine"] == e)
                        for e in ENGINES)
         ratio = f"{ours / plain:.2f}" if plain and ours else "—"
-        print(f"| {round_} | {plain} s | {ours} s | {ratio} |")
+        print(f"| {round_} | {seconds_text(plain)} | {seconds_text(ours)} | {ratio} |")
     return 0
 
 
