@@ -8,7 +8,7 @@ import torch
 
 from vlens import HookedVLLM
 from vlens.runtime.vocabulary.steering import Steer
-from vlens.testing.tiny import tiny_archs, tiny_configs, tiny_model
+from vlens.testing.tiny import sweep, tiny_configs, tiny_model
 
 CAPTURED = (
     "hook_embed",
@@ -153,7 +153,20 @@ def test_sampler_names_and_hooks_still_work_outside_the_graph(compiled):
     assert all(banned not in generation.tokens for generation in tokens)
 
 
-@pytest.mark.parametrize("arch", tiny_archs(lambda mapping: mapping.compiled_graph))
+#: Every compiled architecture under ``VLENS_TEST_EVERY_ARCH=1``; else one per way of tracing.
+TRACED = {
+    "llama": "fused residual, qkv_proj, gated MLP",
+    "gpt2": "Conv1D projections, a plain residual, LayerNorm",
+    "gemma3": "scaled embedding, per-head q/k norms, norms around each sublayer, sliding windows",
+    "qwen3_moe": "a mixture of experts through vLLM's moe_forward op",
+    "deepseek_v2": "multi-head latent attention, shared experts",
+    "bloom": "ALiBi, a fused qkv interleaved per head",
+    "cohere": "a parallel block, the logit scale",
+    "gpt_oss": "attention sinks, alternating sliding windows, biased experts",
+}
+
+
+@pytest.mark.parametrize("arch", sweep(lambda mapping: mapping.compiled_graph, TRACED))
 def test_every_name_reads_the_same_traced_as_eager(hooked, arch):
     if torch.cuda.is_available() and getattr(tiny_configs()[arch](), "kv_lora_rank", None):
         pytest.skip("vLLM has no fp32 MLA attention on CUDA: tools/gpu/gpu_deepseek.sh runs "

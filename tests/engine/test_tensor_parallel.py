@@ -9,12 +9,26 @@ import pytest
 import torch
 
 from vlens import HookedVLLM
-from vlens.testing.tiny import tiny_archs, tiny_model
+from vlens.testing.tiny import sweep, tiny_model
 
 TEXTS = ["Tensor parallel hooks", "run in every worker process, with the same inputs"]
 
 
-@pytest.fixture(scope="module", params=tiny_archs(lambda mapping: mapping.tensor_parallel))
+#: Every architecture under ``VLENS_TEST_EVERY_ARCH=1``; else one per way of splitting.
+SPLIT = {
+    "llama": "qkv_proj and gate_up_proj split per head and per unit",
+    "gpt2": "Conv1D's fused qkv",
+    "gemma3": "per-head q/k norms",
+    "bloom": "ALiBi's slopes, per rank",
+    "falcon": "one key/value head every rank holds whole; a parallel block's partial sums",
+    "cohere": "a parallel block's attention and MLP outputs, partial sums",
+    "qwen2_moe": "experts, a shared expert's partial sum",
+    "deepseek_v2": "multi-head latent attention's heads",
+    "gpt_neox": "vLLM's Transformers backend, its joint qkv",
+}
+
+
+@pytest.fixture(scope="module", params=sweep(lambda mapping: mapping.tensor_parallel, SPLIT))
 def two_ranks(request, engine_args) -> Iterator[tuple[str, HookedVLLM]]:
     """Each architecture's two-rank engine, closed before the next one's is built: a tiny
     model's two worker processes hold ~0.6 GB, too much to keep for every architecture."""

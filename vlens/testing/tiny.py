@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +112,23 @@ def tiny_mapping(arch: str) -> Any:
 def tiny_archs(where: Callable[[Any], bool] = lambda mapping: True) -> tuple[str, ...]:
     """The tiny models whose mapping satisfies ``where`` (e.g. ``lambda m: m.compiled_graph``)."""
     return tuple(arch for arch in tiny_configs() if where(tiny_mapping(arch)))
+
+
+#: Set to 1, the suite's per-architecture sweeps run over every architecture they apply to
+#: (:func:`sweep`); unset, over the architectures each sweep names, one per mechanism.
+EVERY_ARCH = "VLENS_TEST_EVERY_ARCH"
+
+
+def sweep(where: Callable[[Any], bool], chosen: Mapping[str, str]) -> tuple[str, ...]:
+    """The tiny models of a per-architecture sweep: those whose mapping satisfies ``where`` under
+    ``VLENS_TEST_EVERY_ARCH=1``, else ``chosen`` (architecture → the mechanism it stands for), each
+    of which must satisfy ``where``. A sweep builds an engine of its own per architecture, which
+    is what makes the whole of it too slow for every run."""
+    offered = tiny_archs(where)
+    missing = [arch for arch in chosen if arch not in offered]
+    if missing:
+        raise ValueError(f"{missing} do not satisfy this sweep's condition; choose from {offered}")
+    return offered if os.environ.get(EVERY_ARCH) == "1" else tuple(chosen)
 
 
 def __getattr__(name: str) -> Any:
