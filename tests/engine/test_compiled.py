@@ -8,7 +8,7 @@ import torch
 
 from vlens import HookedVLLM
 from vlens.runtime.vocabulary.steering import Steer
-from vlens.testing.tiny import sweep, tiny_configs, tiny_model
+from vlens.testing.tiny import sweep, tiny_archs, tiny_configs, tiny_model
 
 CAPTURED = (
     "hook_embed",
@@ -166,7 +166,7 @@ TRACED = {
 }
 
 
-@pytest.mark.parametrize("arch", sweep(lambda mapping: mapping.compiled_graph, TRACED))
+@pytest.mark.parametrize("arch", sweep(tiny_archs(lambda mapping: mapping.compiled_graph), TRACED))
 def test_every_name_reads_the_same_traced_as_eager(hooked, arch):
     if torch.cuda.is_available() and getattr(tiny_configs()[arch](), "kv_lora_rank", None):
         pytest.skip("vLLM has no fp32 MLA attention on CUDA: tools/gpu/gpu_deepseek.sh runs "

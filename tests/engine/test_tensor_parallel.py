@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from vlens import HookedVLLM
-from vlens.testing.tiny import sweep, tiny_model
+from vlens.testing.tiny import sweep, tiny_archs, tiny_model
 
 TEXTS = ["Tensor parallel hooks", "run in every worker process, with the same inputs"]
 
@@ -28,7 +28,7 @@ SPLIT = {
 }
 
 
-@pytest.fixture(scope="module", params=sweep(lambda mapping: mapping.tensor_parallel, SPLIT))
+@pytest.fixture(scope="module", params=sweep(tiny_archs(lambda mapping: mapping.tensor_parallel), SPLIT))
 def two_ranks(request, engine_args) -> Iterator[tuple[str, HookedVLLM]]:
     """Each architecture's two-rank engine, closed before the next one's is built: a tiny
     model's two worker processes hold ~0.6 GB, too much to keep for every architecture."""
@@ -138,9 +138,6 @@ def test_a_shared_hook_on_the_batch_equals_one_rank(two_ranks, hooked):
 
 
 # ---- the compiled engine on two ranks --------------------------------------------------------------
-# Llama's and Qwen3's mappings and two mixtures of experts; Mistral and Qwen2 are Llama-family
-# members with its names (their eager two-rank tests above), left out here to keep the suite's
-# time down.
 STEERED = ("blocks.1.hook_resid_post", "blocks.0.attn.hook_z", "blocks.1.mlp.hook_post")
 #: Qwen3-MoE's layer 1 is a mixture of experts (no mlp.hook_post); its MoE block's output is
 #: whole on every rank (vLLM reduces it inside the block), read through hook_mlp_out.
@@ -148,9 +145,14 @@ STEERED = ("blocks.1.hook_resid_post", "blocks.0.attn.hook_z", "blocks.1.mlp.hoo
 COMPILED_STEERED = {
     "llama": STEERED, "qwen3": STEERED, "qwen3_moe": STEERED[:2], "qwen2_moe": STEERED[:2]
 }
+#: Those the default run compiles on two ranks (each compile takes about a minute here).
+COMPILED_SPLIT = {
+    "llama": "heads and MLP units split, gathered and written back inside the graph",
+    "qwen2_moe": "experts, a shared expert's partial sum summed inside the graph",
+}
 
 
-@pytest.fixture(scope="module", params=list(COMPILED_STEERED))
+@pytest.fixture(scope="module", params=sweep(tuple(COMPILED_STEERED), COMPILED_SPLIT))
 def compiled_two_ranks(request, hooked, engine_args) -> Iterator[tuple[str, HookedVLLM]]:
     """A compiled engine on two ranks with every name of the model traced into its graph, and
     values split over the ranks (z, the MLP's hidden) among the steered ones."""

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from vlens.mappings._tiny import BOS_ID, EOS_ID, VOCAB_SIZE
-from vlens.testing.tiny import ARCHS, tiny_model
+from vlens.testing.tiny import ARCHS, EVERY_ARCH, sweep, tiny_model
 
 SENTENCE = "Hello world, this is a sentence about Zürich's 42 bridges!"
 
@@ -95,3 +95,14 @@ def test_deepseek_configs_carry_what_vllm_reads(built) -> None:
     bias = weights["model.layers.1.mlp.gate.e_score_correction_bias"]
     assert bias.abs().min() > 0, "router correction bias left at zero"
     assert "model.layers.0.mlp.gate.weight" not in weights, "layer 0 must stay dense"
+
+
+def test_a_sweep_runs_its_chosen_architectures_or_every_one(monkeypatch: pytest.MonkeyPatch):
+    every = ("llama", "gpt2", "qwen3")
+    chosen = {"gpt2": "Conv1D"}
+    monkeypatch.delenv(EVERY_ARCH, raising=False)
+    assert sweep(every, chosen) == ("gpt2",)
+    monkeypatch.setenv(EVERY_ARCH, "1")
+    assert sweep(every, chosen) == every
+    with pytest.raises(ValueError, match=r"\['bloom'\] are not in this sweep"):
+        sweep(every, {"bloom": "ALiBi"})

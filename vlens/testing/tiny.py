@@ -119,16 +119,15 @@ def tiny_archs(where: Callable[[Any], bool] = lambda mapping: True) -> tuple[str
 EVERY_ARCH = "VLENS_TEST_EVERY_ARCH"
 
 
-def sweep(where: Callable[[Any], bool], chosen: Mapping[str, str]) -> tuple[str, ...]:
-    """The tiny models of a per-architecture sweep: those whose mapping satisfies ``where`` under
-    ``VLENS_TEST_EVERY_ARCH=1``, else ``chosen`` (architecture → the mechanism it stands for), each
-    of which must satisfy ``where``. A sweep builds an engine of its own per architecture, which
-    is what makes the whole of it too slow for every run."""
-    offered = tiny_archs(where)
-    missing = [arch for arch in chosen if arch not in offered]
+def sweep(every: tuple[str, ...], chosen: Mapping[str, str]) -> tuple[str, ...]:
+    """The tiny models of a per-architecture sweep: ``every`` under ``VLENS_TEST_EVERY_ARCH=1``,
+    else ``chosen`` (architecture → the mechanism it stands for), each of them one of ``every``.
+    A sweep builds an engine of its own per architecture, which is what makes the whole of it
+    too slow for every run."""
+    missing = [arch for arch in chosen if arch not in every]
     if missing:
-        raise ValueError(f"{missing} do not satisfy this sweep's condition; choose from {offered}")
-    return offered if os.environ.get(EVERY_ARCH) == "1" else tuple(chosen)
+        raise ValueError(f"{missing} are not in this sweep; choose from {every}")
+    return every if os.environ.get(EVERY_ARCH) == "1" else tuple(chosen)
 
 
 def __getattr__(name: str) -> Any:
