@@ -38,6 +38,12 @@ Under tensor parallelism vLLM splits the fused q/k/v (or the joint qkv, each ran
 (column-parallel in, row-parallel out, as HuggingFace's ``base_model_tp_plan`` says); the
 mapping marks each (:class:`~vlens.names.mapping.Shards`), and the block's outputs are whole.
 
+In vLLM's compiled mode torch.compile traces HuggingFace's modules with vlens's sites in them as
+it does vLLM's own: every name reads the same traced as eager (on this CPU, bit for bit). On a
+GPU the default engine of these architectures stays the eager one until the compiled one is
+checked with CUDA graphs (:func:`vlens.engine.arguments.hooks_in_graph_by_default`); the
+``compiled_*`` arguments give it.
+
 Rotated q and k are computed, not read: the attention interface's arguments are the only place
 they exist, and hooks cannot reach it. Scores, patterns and per-head results can be read, and
 no hook function runs on them (:class:`~vlens.names.mapping.NoExplicitAttention`). A config with a
@@ -347,8 +353,8 @@ def attention_specs(
     if layout.q_norm is not None:  # over the whole projection, before the split into heads
         rotate_q, rotate_k = f"{BLOCK}.attn.hook_q_normed", f"{BLOCK}.attn.hook_k_normed"
         q_split, k_split = Shards(-1, (q_end,)), Shards(-1, (k_end - q_end,))
-        specs[rotate_q] = out_of(f"{attn}.{layout.q_norm}", shape="pos d_model", shards=q_split)
-        specs[rotate_k] = out_of(f"{attn}.{layout.k_norm}", shape="pos d_model", shards=k_split)
+        specs[rotate_q] = out_of(f"{attn}.{layout.q_norm}", shape="pos heads_d_head", shards=q_split)
+        specs[rotate_k] = out_of(f"{attn}.{layout.k_norm}", shape="pos kv_heads_d_head", shards=k_split)
     z = into(f"{attn}.{layout.o}", Argument(0, "input_", Shards(-1, (q_end,))))
     o_weight = f"{layout.base}.{layout.layers}.{{layer}}.{layout.attn}.{layout.o}.weight"
     specs.update({
@@ -395,15 +401,7 @@ def transformers_backend_mapping(
         unavailable=windowed_name_error,
         hf_recorder="hf_transformers",
         model_impl="transformers",
-        not_offered=NOT_OFFERED,
+        compiled_graph=True,
         tensor_parallel=True,
         **fields,
     )
-
-
-#: Why the Transformers backend's architectures have no compiled engine yet (the table of
-#: architectures and the refusals say it).
-NOT_OFFERED = {
-    "compiled_graph": "torch.compile of the Transformers backend with vlens's sites fails on "
-                      "OLMo 2 (torch._dynamo), unchecked on the others",
-}
