@@ -38,12 +38,6 @@ Under tensor parallelism vLLM splits the fused q/k/v (or the joint qkv, each ran
 (column-parallel in, row-parallel out, as HuggingFace's ``base_model_tp_plan`` says); the
 mapping marks each (:class:`~vlens.names.mapping.Shards`), and the block's outputs are whole.
 
-In vLLM's compiled mode torch.compile traces HuggingFace's modules with vlens's sites in them as
-it does vLLM's own: every name reads the same traced as eager (on this CPU, bit for bit). On a
-GPU the default engine of these architectures stays the eager one until the compiled one is
-checked with CUDA graphs (:func:`vlens.engine.arguments.hooks_in_graph_by_default`); the
-``compiled_*`` arguments give it.
-
 Rotated q and k are computed, not read: the attention interface's arguments are the only place
 they exist, and hooks cannot reach it. Scores, patterns and per-head results can be read, and
 no hook function runs on them (:class:`~vlens.names.mapping.NoExplicitAttention`). A config with a
@@ -401,7 +395,16 @@ def transformers_backend_mapping(
         unavailable=windowed_name_error,
         hf_recorder="hf_transformers",
         model_impl="transformers",
-        compiled_graph=True,
+        not_offered=NOT_OFFERED,
         tensor_parallel=True,
         **fields,
     )
+
+
+#: Why the Transformers backend's architectures have no compiled engine yet (the table of
+#: architectures and the refusals say it).
+NOT_OFFERED = {
+    "compiled_graph": "compiled, its model leaves vLLM's bytecode hook on HuggingFace's model "
+                      "class, and later compiles in the process stop in torch._dynamo (the "
+                      "class has no original_code_object)",
+}

@@ -22,18 +22,8 @@ def test_the_default_engine_runs_hooks_in_the_graph_on_a_gpu_only(
     monkeypatch, cpu, user_args, offered, expected
 ) -> None:
     monkeypatch.setattr(arguments, "on_cpu", lambda: cpu)
-    mapping = next(
-        m for m in all_mappings() if m.compiled_graph == offered and m.model_impl == "auto"
-    )
+    mapping = next(m for m in all_mappings() if m.compiled_graph == offered)
     assert arguments.hooks_in_graph_by_default(mapping, user_args) is expected
-
-
-def test_the_transformers_backend_stays_eager_by_default_on_a_gpu(monkeypatch) -> None:
-    """Its compiled engine is offered (declared names), checked on the CPU only."""
-    monkeypatch.setattr(arguments, "on_cpu", lambda: False)
-    mapping = next(m for m in all_mappings() if m.model_impl == "transformers")
-    assert mapping.compiled_graph
-    assert not arguments.hooks_in_graph_by_default(mapping, {})
 
 
 def test_the_default_engine_declares_every_name() -> None:

@@ -92,15 +92,8 @@ def hooks_in_graph_by_default(mapping: ArchitectureMapping, user_args: Mapping[s
     """Whether an engine loaded without compiled names runs vLLM's compiled graph with hook
     sites at every name: on a GPU, for an architecture the compiled engine serves, unless the
     user asks for ``enforce_eager=True``. On vLLM's CPU backend the eager engine stays the
-    default: compiling gains little there (docs/compiled-engine.md). So does it for the
-    architectures on vLLM's Transformers backend, whose compiled engine is checked on the CPU
-    only, until it is checked with CUDA graphs."""
-    return bool(
-        mapping.compiled_graph
-        and mapping.model_impl == "auto"
-        and not user_args.get("enforce_eager")
-        and not on_cpu()
-    )
+    default: compiling gains little there (docs/compiled-engine.md)."""
+    return bool(mapping.compiled_graph and not user_args.get("enforce_eager") and not on_cpu())
 
 
 #: Why an offer is off where the mapping does not say (``ArchitectureMapping.not_offered``).
