@@ -7,7 +7,8 @@ order plain, vlens, plain, vlens, all with the same ``VLLM_CACHE_ROOT`` (by defa
 folder under ``--work``, removed first): the first round fills vLLM's compile cache, the second
 reads it, as a user's second session does. Times are from the constructor's call to its return
 (weights, compilation or its cache, CUDA graph capture, KV cache). ``OUT_DIR/loads.json`` holds
-them; the table goes to stdout.
+them with vLLM's log lines that time each phase (each load's log: ``OUT_DIR/load-R-ENGINE.log``);
+the table goes to stdout.
 """
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from run import PRESETS, engine_args, model_folder
 
 ENGINES = ("plain", "vlens")
+#: with ``--aot``: vlens's engine with vLLM's ahead-of-time artifact on (vlens turns it off)
+AOT = "vlens_aot"
+#: vLLM's log lines that say where a load's time went (each load's whole log is kept beside)
+PHASES = ("Model loading took", "Dynamo bytecode transform time", "compilation:",
+          "Graph capturing finished", "Compiling model again", "Directly load AOT", "init engine")
 
 
 def load(engine: str, preset: dict, path: Path) -> float:
@@ -52,7 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("bench/out-loads"))
     parser.add_argument("--work", type=Path, default=Path("/tmp/vlens-loads"))
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--engine", choices=ENGINES, help=argparse.SUPPRESS)
+    parser.add_argument("--aot", action="store_true",
+                        help="also load vlens's engine with VLLM_USE_AOT_COMPILE=1")
+    parser.add_argument("--engine", choices=(*ENGINES, AOT), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     preset = PRESETS[args.preset]
     path = model_folder(preset, args.work)
@@ -60,22 +68,30 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"seconds": load(args.engine, preset, path)}), flush=True)
         return 0
 
+    args.out.mkdir(parents=True, exist_ok=True)
     cache = args.work / "vllm-cache"
     shutil.rmtree(cache, ignore_errors=True)
     env = {**os.environ, "VLLM_CACHE_ROOT": str(cache), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     rows = []
+    engines = (*ENGINES, AOT) if args.aot else ENGINES
     for round_ in range(1, args.rounds + 1):
-        for engine in ENGINES:
+        for engine in engines:
             command = [sys.executable, __file__, "--preset", args.preset, "--work",
                        str(args.work), "--engine", engine]
-            done = subprocess.run(command, env=env, capture_output=True, text=True)
+            aot = {"VLLM_USE_AOT_COMPILE": "1"} if engine == AOT else {}
+            done = subprocess.run(command, env={**env, **aot}, capture_output=True, text=True)
             lines = [line for line in done.stdout.splitlines() if line.startswith('{"seconds"')]
             seconds = json.loads(lines[-1])["seconds"] if done.returncode == 0 and lines else None
             if seconds is None:
                 print(done.stderr[-3000:], file=sys.stderr)
-            rows.append({"round": round_, "engine": engine, "seconds": seconds})
+            log = done.stdout + done.stderr
+            (args.out / f"load-{round_}-{engine}.log").write_text(log)
+            phases = [line.split("] ", 1)[-1] for line in log.splitlines()
+                      if any(phase in line for phase in PHASES)]
+            rows.append({"round": round_, "engine": engine, "seconds": seconds, "phases": phases})
             print(f"[loads] round {round_} {engine:6s} {seconds_text(seconds)}", flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
+            for phase in phases:
+                print(f"[loads]     {phase}", flush=True)
     (args.out / "loads.json").write_text(json.dumps(
         {"preset": args.preset, "command": " ".join(sys.argv), "rows": rows}, indent=1))
     print("| round | plain compiled vLLM | vlens `from_pretrained(path)` | ratio |")

@@ -12,7 +12,7 @@ import torch
 
 from vlens.runtime.steps.kept_steps import KeptSteps, Segment
 from vlens.runtime.steps.layout import RequestRows
-from vlens.runtime.transfer.host_stream import HostStream, Slot
+from vlens.runtime.transfer.host_stream import HostStream, Slot, StepStage
 
 KEEP_X = frozenset({"x"})
 DEVICES = [
@@ -141,6 +141,44 @@ def test_names_written_together_land_as_each_written_alone(device, shared):
     for name in names:
         assert streamed[name].spans == stored[name].spans
         assert torch.equal(streamed[name].values, stored[name].values)
+
+
+def test_names_staged_one_by_one_land_as_each_written_alone(device):
+    """The default engine's hook sites stage a step's names as they fire (:class:`StepStage`)
+    and write them as the step ends, one tensor per shape: with the stage grown within the
+    first step, rows selected by a slice or by an index, and two shapes, each name's cache
+    equals what the kept steps lay out."""
+    positions = {f"r{i}": 4 for i in range(3)}
+    stream = stream_of(positions, device, False)
+    store, stage = KeptSteps(), StepStage()
+    generator = torch.Generator().manual_seed(1)
+    steps = [  # (requests, the rows they hold among the step's)
+        ([("r0", 2, 0), ("r1", 2, 0), ("r2", 2, 0)], slice(0, 6)),
+        ([("r2", 1, 2), ("r0", 1, 2)], torch.tensor([1, 3])),
+        ([("r1", 1, 2), ("r0", 1, 3)], slice(1, 3)),
+    ]
+    for requests, selection in steps:
+        keepers, start = [], 0
+        for tag, length, first in requests:
+            keepers.append(RequestRows(tag, start, start + length, first, 0))
+            start += length
+        stream.begin_step(keepers)
+        segments = [Segment(tag, n, first) for tag, n, first in requests]
+        for name in "pqst":
+            shape = (3,) if name == "t" else (2, 3)
+            value = torch.randn(8, *shape, generator=generator)
+            stage.add(name, value.to(device), selection.to(device)
+                      if isinstance(selection, torch.Tensor) else selection)
+            store.add(name, segments, value[selection])
+        stage.write(stream)
+        stream.end_step()
+    tags = list(positions)
+    keeps = {tag: frozenset("pqst") for tag in tags}
+    streamed, stored = stream.take(tags, keeps), store.take(tags, keeps, "cpu")
+    assert set(streamed) == set("pqst")
+    for name in "pqst":
+        assert streamed[name].spans == stored[name].spans
+        assert torch.equal(streamed[name].values, stored[name].values), name
 
 
 def test_a_compiled_call_writes_its_cache_on_the_host_as_steps_end(hooked, monkeypatch):

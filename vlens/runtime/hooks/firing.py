@@ -35,7 +35,7 @@ from vlens.runtime.sites.torch_hooks import NarrowedCall, buffers_of, read_rows
 from vlens.runtime.steps.kept_steps import KeptSteps, Segment, add_chunk, copy_rows, kept_rows
 from vlens.runtime.steps.layout import RequestRows
 from vlens.runtime.tensor_parallel import TensorParallel
-from vlens.runtime.transfer.host_stream import HostStream, Slot, joined, taken
+from vlens.runtime.transfer.host_stream import HostStream, Slot, StepStage, joined, taken
 from vlens.runtime.transfer.messages import (
     Chunk,
     HookError,
@@ -70,6 +70,8 @@ class EagerSites:
     stream_keepers: set[str] = field(default_factory=set)
     #: this step's rows of those requests, once :attr:`stream` began the step
     stream_rows: slice | Tensor | None = None
+    #: on a GPU, this step's rows of the names :attr:`stream` keeps, until the step ends
+    stage: StepStage = field(default_factory=StepStage)
     #: this step's kept rows by the tags that keep them (:func:`kept_rows`), for every name
     step_rows: dict[tuple[str, ...], tuple[slice | Tensor, list[Segment]]] = field(
         default_factory=dict
@@ -110,6 +112,8 @@ class EagerSites:
             self.stream.end_call()
             self.stream = None
             self.stream_keepers.clear()
+            self.stream_rows = None
+            self.stage.clear()
 
     def take(
         self, tags: list[str], kept_names: dict[str, frozenset[str]], device: str
@@ -128,6 +132,7 @@ class EagerSites:
         if self.stream_rows is not None:
             self.stream_rows = None
             assert self.stream is not None
+            self.stage.write(self.stream)
             self.stream.end_step()
 
     def fired(self, site: Site) -> Callable[[tuple, dict, Any], None]:
@@ -325,7 +330,8 @@ class EagerSites:
     def _stream_rows(self, site: Site, name: str, value: Tensor) -> None:
         """One step's rows of ``name`` into the host's cache: the rows of every request the
         stream follows that keeps something (a request's rows of a name it does not keep are
-        zeroed as it is taken), worked out at the step's first such name."""
+        zeroed as it is taken), worked out at the step's first such name. On a GPU they are
+        staged with the step's other names and go over as the step ends (:class:`StepStage`)."""
         stream = self.stream
         assert stream is not None
         if self.stream_rows is None:
@@ -333,6 +339,6 @@ class EagerSites:
             self.stream_rows = kept_rows(requests, value.device)[0]
             stream.begin_step(requests)
         if value.is_cuda:  # a copy the step no longer changes, for the copy engines
-            stream.write([name], copy_rows(value, self.stream_rows)[None])
+            self.stage.add(name, value, self.stream_rows)
         else:  # scattered at once
             stream.write([name], [value[self.stream_rows]])

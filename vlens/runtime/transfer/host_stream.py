@@ -219,6 +219,53 @@ class HostStream:
             self.host[name] = name_rows
 
 
+class StepStage:
+    """One step's rows of names read one by one as sites fire (the default engine's hook sites on
+    a GPU), gathered on the GPU into one ``[names, rows, ...]`` tensor per shape, so that the
+    step's names go to the host together as the step ends: one set of copies and one
+    synchronisation of the side stream a step, not one per name (36 for every layer of
+    Qwen3-8B). Each tensor is sized by the last step's count of names of its shape, and grown
+    within a step where more come."""
+
+    def __init__(self) -> None:
+        self._counts: dict[tuple, int] = {}  # names of each (shape, dtype) in the last step
+        self._names: dict[tuple, list[str]] = {}
+        self._rows: dict[tuple, Tensor] = {}
+
+    def add(self, name: str, value: Tensor, selection: slice | Tensor) -> None:
+        """``name``'s rows ``selection`` of the whole step's ``value``."""
+        key = (tuple(value.shape[1:]), value.dtype)
+        names = self._names.setdefault(key, [])
+        staged = self._rows.get(key)
+        count = len(names)
+        if staged is None or count == staged.shape[0]:
+            rows = (selection.stop - selection.start if isinstance(selection, slice)
+                    else len(selection))
+            size = max(self._counts.get(key, 1), 2 * count, 1)
+            grown = torch.empty((size, rows, *key[0]), dtype=value.dtype, device=value.device)
+            if staged is not None:
+                grown[:count].copy_(staged)
+            self._rows[key] = staged = grown
+        if isinstance(selection, slice):
+            staged[count].copy_(value[selection])
+        else:
+            torch.index_select(value, 0, selection, out=staged[count])
+        names.append(name)
+
+    def write(self, stream: HostStream) -> None:
+        """The step's staged rows into ``stream``, one tensor per shape; the stage is empty
+        after."""
+        for key, names in self._names.items():
+            self._counts[key] = len(names)
+            stream.write(names, self._rows[key][: len(names)])
+        self.clear()
+
+    def clear(self) -> None:
+        """Drop what is staged (a call ended inside its step)."""
+        self._names.clear()
+        self._rows.clear()
+
+
 def joined(
     stream: HostStream | None, tag: str, slot: Slot | None, device: torch.device, others: bool
 ) -> HostStream | None:
