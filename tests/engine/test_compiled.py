@@ -24,9 +24,10 @@ STEERED = ("blocks.0.hook_resid_pre", "blocks.0.attn.hook_z", "blocks.1.hook_res
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [11, 12, 13], [300, 301, 302, 303, 304]]
 # fp32 on both sides; Inductor fuses and reorders the traced hooks' arithmetic (observed ≤ 1e-6).
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
-#: Where a name's elements miss :data:`TOLERANCE`, each token's vector must still be within this
-#: of eager's, relative to its norm (the parity suite's measure, ten times tighter than its fp32
-#: bound). Why: a reordered sum is exact to ~1e-7 of the vector it belongs to, not of each
+#: Where a name's elements miss :data:`TOLERANCE`, each vector along its last axis (a token's, or
+#: one head's of a token) must still be within this of eager's, relative to its norm (the parity
+#: suite's relative measure over vectors no larger than its tokens', ten times tighter than its
+#: fp32 bound). Why: a reordered sum is exact to ~1e-7 of the vector it belongs to, not of each
 #: element; relu² (Nemotron) squares a pre-activation whose reordering error is 1e-6 of the
 #: layer's scale, which near zero is 6.5e-5 absolute on its tiny checkpoint, 2.2e-6 per token.
 PER_TOKEN = 1e-5
@@ -169,7 +170,7 @@ TRACED = {
     "bloom": "ALiBi, a fused qkv interleaved per head",
     "cohere": "a parallel block, the logit scale",
     "gpt_oss": "attention sinks, alternating sliding windows, biased experts",
-    "nemotron": "a relu² MLP, held token by token where it squares values near zero",
+    "nemotron": "a relu² MLP, held vector by vector where it squares values near zero",
 }
 
 
@@ -189,14 +190,14 @@ def test_every_name_reads_the_same_traced_as_eager(hooked, arch):
 
 
 def assert_traced_equal(traced: torch.Tensor, eager: torch.Tensor, name: str) -> None:
-    """Element by element within :data:`TOLERANCE`, else token by token within
-    :data:`PER_TOKEN` of each eager vector's norm (the last dimension is a token's vector)."""
+    """Element by element within :data:`TOLERANCE`, else vector by vector along the last axis
+    within :data:`PER_TOKEN` of each eager vector's norm."""
     if torch.allclose(traced, eager, **TOLERANCE):
         return
     assert traced.shape == eager.shape, name
     error = (traced - eager).norm(dim=-1) / eager.norm(dim=-1).clamp_min(1e-30)
     worst = error.max().item()
-    assert worst <= PER_TOKEN, f"{name}: a token's traced vector is {worst:.2e} from eager's"
+    assert worst <= PER_TOKEN, f"{name}: a traced vector is {worst:.2e} from eager's"
 
 
 @pytest.mark.parametrize(

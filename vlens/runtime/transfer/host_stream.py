@@ -241,7 +241,7 @@ class StepStage:
         if staged is None or count == staged.shape[0]:
             rows = (selection.stop - selection.start if isinstance(selection, slice)
                     else len(selection))
-            size = max(self._counts.get(key, 1), 2 * count, 1)
+            size = max(self._counts.get(key, 1), 2 * count)
             grown = torch.empty((size, rows, *key[0]), dtype=value.dtype, device=value.device)
             if staged is not None:
                 grown[:count].copy_(staged)
