@@ -437,6 +437,31 @@ def test_an_exception_in_a_batch_call_reaches_the_caller(hooked):
     assert model(corrupted).shape[0] == BATCH  # the engine keeps serving
 
 
+def test_a_prompt_whose_hook_failed_stops_while_the_others_run_on(hooked):
+    """A prompt's own hook raising at one layer: its hooks at later layers never run, in that
+    step or after, every other prompt's run at every step, and the caller gets the error."""
+    model = hooked("llama")
+    clean, _ = prompts(seed=3)
+    seen: list[tuple[str, int | None]] = []
+
+    def broken(value: Tensor, hook) -> None:
+        raise ValueError("boom")
+
+    def record(value: Tensor, hook) -> None:
+        seen.append((hook.name, hook.request))
+
+    later = "blocks.1.hook_resid_post"
+    hooks = [[("blocks.0.hook_resid_post", broken), (later, record)]]
+    hooks += [[(later, record)]] * (BATCH - 1)
+    with pytest.raises(HookError, match=r"prompt 0: .*broken on blocks.0.hook_resid_post raised"):
+        model.generate(clean, max_new_tokens=3, do_sample=False, stop_at_eos=False,
+                       prompt_hooks=hooks)
+    steps = 3  # the prefill and two decode steps
+    assert sorted(seen, key=lambda s: s[1]) == [
+        (later, prompt) for prompt in range(1, BATCH) for _ in range(steps)
+    ]
+
+
 def test_prompts_of_different_lengths_decode_as_one_batch(llama):
     """Decode steps give every prompt one row: a shared hook runs once per step on the whole
     call, each prompt at its own position (``hook.first_positions``, ``hook.positions``), with

@@ -145,7 +145,7 @@ class WorkerRuntime:
                     raise
             refused = refusal or self._undeclared_attention(plan)
             if plan.attention and refused is not None:
-                self.captures[tag].error = refused  # raised after the call; its hooks never run
+                self.captures[tag].fail(refused)  # raised after the call; its hooks never run
             else:
                 self.attention.prepare(tag, plan.index, plan.call_size, plan.attention,
                                        plan.padding_side)

@@ -345,13 +345,13 @@ def _guarded(batch: list[Attended], run: Stage, calls: list[NarrowedCall]) -> No
     try:
         run(batch, calls)
     except HookError as error:
-        for capture in (member.capture for member in batch):
-            capture.error, capture.cause = str(error), error.__cause__
+        for member in batch:
+            member.capture.fail(str(error), error.__cause__)
     except Exception:
         names = ", ".join(batch[0].state.plan.names.values())
         message = f"while computing attention for {names}:\n{traceback.format_exc()}"
-        for capture in (member.capture for member in batch):
-            capture.error = message
+        for member in batch:
+            member.capture.fail(message)
 
 
 def unsupported(tensor_parallel: bool) -> str | None:

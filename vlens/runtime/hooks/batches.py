@@ -112,9 +112,9 @@ class HookBatch:
         """The prompt's index in the call, where the batch is one prompt's; None for a batch."""
         return self.requests[0] if self.size == 1 else None
 
-    @property
+    @cached_property
     def is_prefill(self) -> bool:
-        """Whether some prompt prefills in this step."""
+        """Whether some prompt prefills in this step (asked at every site a batch serves)."""
         return any(rows.is_prefill for rows in self.rows)
 
     @cached_property

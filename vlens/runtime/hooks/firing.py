@@ -82,8 +82,11 @@ class EagerSites:
     hooked_sites: set[Site] = field(default_factory=set)
     #: (call, site) where some request of the call runs hook functions of its own
     own_hooks: set[tuple[str, Site]] = field(default_factory=set)
-    #: this step's requests by call, by site key (:meth:`_calls_at`)
-    step_calls: dict[frozenset[str], list[list[Member]]] = field(default_factory=dict)
+    #: this step's requests by call, by site key (:meth:`_calls_at`), with the count of failed
+    #: captures when they were worked out
+    step_calls: dict[frozenset[str], tuple[int, list[list[Member]]]] = field(
+        default_factory=dict
+    )
     #: each of this step's calls laid out as its hook functions' batch, by ``id`` of its list of
     #: requests in :attr:`step_calls`, beside that list (made once for every layer's site)
     step_batches: dict[int, tuple[list[Member], HookBatch]] = field(default_factory=dict)
@@ -163,15 +166,16 @@ class EagerSites:
     def _calls_at(self, site: Site) -> list[list[Member]]:
         """The requests served at a site this step, by call, each call's in its order. Worked
         out once per step for all the sites with the same requests (every layer's site,
-        usually), until a request fails."""
+        usually), until a request fails: its cost at each later site is then a lookup, whatever
+        the number of requests."""
         key = self.site_keys.get(site)
         if key is None or site.event == "sampled":
             return self._calls_of(site, self.rows_for(site))
-        calls = self.step_calls.get(key)
-        if calls is None or any(
-            member.capture.error is not None for members in calls for member in members
-        ):
-            calls = self.step_calls[key] = self._calls_of(site, self.rows_for(site))
+        failures, calls = self.step_calls.get(key, (-1, []))
+        if failures != RequestCapture.failures:
+            failures = RequestCapture.failures
+            calls = self._calls_of(site, self.rows_for(site))
+            self.step_calls[key] = failures, calls
         return calls
 
     def _calls_of(self, site: Site, step: list[RequestRows]) -> list[list[Member]]:
@@ -294,38 +298,40 @@ class EagerSites:
         """A failure at ``name``, for each of ``members``."""
         for member in members:
             if isinstance(error, HookError):
-                member.capture.error, member.capture.cause = str(error), error.__cause__
+                member.capture.fail(str(error), error.__cause__)
             else:
-                member.capture.error = f"while reading {name}:\n" + "".join(
-                    traceback.format_exception(error)
-                )
+                member.capture.fail(f"while reading {name}:\n"
+                                    + "".join(traceback.format_exception(error)))
 
     def _read_whole_step(
         self, site: Site, calls: list[list[Member]], call: NarrowedCall
     ) -> None:
         """No hook runs here this step: read each name once over the whole step and copy out
-        the rows of the requests that keep it (see :mod:`vlens.runtime.steps.kept_steps`)."""
-        by_name: dict[str, tuple[NamePlan, list[tuple[RequestRows, RequestCapture]]]] = {}
+        the rows of the requests that keep it (see :mod:`vlens.runtime.steps.kept_steps`). A
+        call's requests keep the same names, so the names come from each call's first request:
+        a step of many requests costs no more Python per site than one of a few."""
+        by_name: dict[str, tuple[NamePlan, list[list[Member]]]] = {}
         for members in calls:
-            for rows, plan, capture in members:
-                for name in plan.sites[site]:
-                    if name.keep:
-                        by_name.setdefault(name.name, (name, []))[1].append((rows, capture))
+            for name in members[0].plan.sites[site]:
+                if name.keep:
+                    by_name.setdefault(name.name, (name, []))[1].append(members)
         for name, (plan, keepers) in by_name.items():
             try:
                 value = plan.read(call)  # every rank reads: a split value is gathered
                 if self.stream is not None:
                     self._stream_rows(site, name, value)
                 elif self.hands_back:
-                    requests = [rows for rows, _ in keepers]
+                    requests = [member.rows for members in keepers for member in members]
                     tags = tuple(rows.tag for rows in requests)
                     if tags not in self.step_rows:
                         self.step_rows[tags] = kept_rows(requests, value.device)
                     selection, segments = self.step_rows[tags]
                     self.kept_steps.add(name, segments, copy_rows(value, selection))
             except Exception:
-                for _, capture in keepers:
-                    capture.error = f"while reading {name}:\n{traceback.format_exc()}"
+                message = f"while reading {name}:\n{traceback.format_exc()}"
+                for members in keepers:
+                    for member in members:
+                        member.capture.fail(message)
 
     def _stream_rows(self, site: Site, name: str, value: Tensor) -> None:
         """One step's rows of ``name`` into the host's cache: the rows of every request the

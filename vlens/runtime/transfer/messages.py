@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from torch import Tensor
 
@@ -163,6 +163,15 @@ class RequestCapture:
     error: str | None = None
     cause: BaseException | None = None
     formed: dict[str, Tensor] = field(default_factory=dict)
+    #: captures that failed in this process so far: while it stands still, a worker's layout of
+    #: a step's requests at its sites, worked out once for every layer, still holds
+    failures: ClassVar[int] = 0
+
+    def fail(self, error: str, cause: BaseException | None = None) -> None:
+        """Record the request's error (raised in the user's process after the call); its hook
+        functions stop."""
+        self.error, self.cause = error, cause
+        RequestCapture.failures += 1
 
 
 @dataclass
