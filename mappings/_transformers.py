@@ -57,6 +57,7 @@ from vlens.mappings._rotary import rotated
 from vlens.mappings._tiny import architecture_of
 from vlens.mappings.llama import sliding_window, windowed_name_error
 from vlens.names.mapping import (
+    DEFAULT_GRAPH,
     ArchitectureMapping,
     Argument,
     HookSpec,
@@ -395,16 +396,13 @@ def transformers_backend_mapping(
         unavailable=windowed_name_error,
         hf_recorder="hf_transformers",
         model_impl="transformers",
-        not_offered=NOT_OFFERED,
+        compiled_graph=True,
+        not_offered=NOT_DEFAULT,
         tensor_parallel=True,
         **fields,
     )
 
 
-#: Why the Transformers backend's architectures have no compiled engine yet (the table of
-#: architectures and the refusals say it).
-NOT_OFFERED = {
-    "compiled_graph": "compiled, its model leaves vLLM's bytecode hook on HuggingFace's model "
-                      "class, and later compiles in the process stop in torch._dynamo (the "
-                      "class has no original_code_object)",
-}
+#: Why a GPU's default engine stays eager for these architectures: their compiled engine, checked
+#: on vLLM's CPU compile mode, has not yet run on CUDA.
+NOT_DEFAULT = {DEFAULT_GRAPH: "a GPU's default engine stays eager until it has run on CUDA"}

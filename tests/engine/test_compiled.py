@@ -3,10 +3,16 @@ steering confined to its request, and clear refusals of what a traced graph cann
 
 from __future__ import annotations
 
+import dataclasses
+import sys
+
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from vlens import HookedVLLM
+from vlens.engine.arguments import check_loadable
+from vlens.mappings import served
 from vlens.runtime.vocabulary.steering import Steer
 from vlens.testing.tiny import sweep, tiny_archs, tiny_configs, tiny_model
 
@@ -171,6 +177,7 @@ TRACED = {
     "cohere": "a parallel block, the logit scale",
     "gpt_oss": "attention sinks, alternating sliding windows, biased experts",
     "nemotron": "a relu² MLP, held vector by vector where it squares values near zero",
+    "olmo2": "HuggingFace's own modules, through vLLM's Transformers backend",
 }
 
 
@@ -187,6 +194,40 @@ def test_every_name_reads_the_same_traced_as_eager(hooked, arch):
     assert set(cache_c.keys()) >= set(names)
     for name in names:
         assert_traced_equal(cache_c[name], cache_e[name], name)
+
+
+def test_a_compiled_transformers_backend_engine_runs_its_graph_and_leaves_the_process_as_it_was(
+    hooked,
+):
+    """vLLM's Transformers backend compiles HuggingFace's own decoder class, which it rewrites in
+    place. The engine runs vLLM's compiled code (HuggingFace's layers run no Python), the class
+    is HuggingFace's own again (a HuggingFace model of it builds and runs beside the engine),
+    and a later compile in the process works (vLLM's compiler hook left registered for the
+    engine's model is called at each)."""
+    eager = hooked("olmo2", enforce_eager=True)
+    names = tuple(name for name in eager.hook_names if not name.startswith("sampler."))
+    compiled = hooked("olmo2", compiled_capture=names)  # the sweep's engine
+    runner = compiled.engine.llm.llm_engine.model_executor.driver_worker.worker.model_runner
+    decoder = runner.model.model
+    layer_code = type(decoder.layers[0]).forward.__code__
+    calls: list[int] = []
+
+    def count(frame, event: str, argument) -> None:
+        if event == "call" and frame.f_code is layer_code:
+            calls.append(1)
+
+    sys.setprofile(count)
+    try:
+        compiled.generate(PROMPTS[:1], max_new_tokens=2, do_sample=False)
+    finally:
+        sys.setprofile(None)
+    assert calls == []
+    assert "TorchCompileWithNoGuardsWrapper" not in {base.__name__ for base in
+                                                     type(decoder).__mro__[1].__mro__}
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model("olmo2"), dtype=torch.float32)
+    assert type(reference.model) is type(decoder).__mro__[1]
+    assert torch.isfinite(reference(torch.tensor([PROMPTS[0]])).logits).all()
+    assert torch.compile(lambda x: x * 2, backend="eager")(torch.ones(2)).tolist() == [2.0, 2.0]
 
 
 def assert_traced_equal(traced: torch.Tensor, eager: torch.Tensor, name: str) -> None:
@@ -213,8 +254,12 @@ def test_engine_arguments_a_compiled_engine_cannot_honour(arguments, message):
 
 
 def test_unverified_architectures_refuse_compiled_names():
-    with pytest.raises(NotImplementedError, match="not offered for Olmo2ForCausalLM: .*_dynamo"):
-        HookedVLLM.from_pretrained(tiny_model("olmo2"), compiled_capture=["hook_embed"])
+    """A mapping that does not offer the compiled engine: refused before vLLM starts, with the
+    reason and the way out."""
+    mapping = dataclasses.replace(served()["LlamaForCausalLM"], compiled_graph=False)
+    with pytest.raises(NotImplementedError, match="not offered for LlamaForCausalLM: its names "
+                       "are not yet checked .* without compiled_capture"):
+        check_loadable(mapping, "LlamaForCausalLM", {}, compiled=True)
 
 
 def test_names_read_after_the_forward_need_no_declaration():

@@ -143,7 +143,8 @@ STEERED = ("blocks.1.hook_resid_post", "blocks.0.attn.hook_z", "blocks.1.mlp.hoo
 #: whole on every rank (vLLM reduces it inside the block), read through hook_mlp_out.
 #: Qwen2-MoE's shared expert output is a partial sum on each rank (summed inside the graph).
 COMPILED_STEERED = {
-    "llama": STEERED, "qwen3": STEERED, "qwen3_moe": STEERED[:2], "qwen2_moe": STEERED[:2]
+    "llama": STEERED, "qwen3": STEERED, "qwen3_moe": STEERED[:2], "qwen2_moe": STEERED[:2],
+    "olmo2": STEERED,
 }
 #: Those the default run compiles on two ranks (each compile takes about a minute here).
 COMPILED_SPLIT = {

@@ -4,11 +4,14 @@ offered and ``enforce_eager=True`` is not asked for; on vLLM's CPU backend the e
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from vlens.engine import arguments
-from vlens.mappings import all_mappings
+from vlens.mappings import served
 from vlens.names.compiled import every_name
+from vlens.names.mapping import DEFAULT_GRAPH
 
 
 @pytest.mark.parametrize(("cpu", "user_args", "offered", "expected"), [
@@ -16,14 +19,24 @@ from vlens.names.compiled import every_name
     (False, {"enforce_eager": False}, True, True),
     (False, {"enforce_eager": True}, True, False),
     (False, {}, False, False),
+    (False, {}, "when declared", False),
     (True, {}, True, False),
 ])
 def test_the_default_engine_runs_hooks_in_the_graph_on_a_gpu_only(
     monkeypatch, cpu, user_args, offered, expected
 ) -> None:
+    """``offered``: the mapping's compiled engine, or "when declared" (it says why a GPU's
+    default engine is not it)."""
     monkeypatch.setattr(arguments, "on_cpu", lambda: cpu)
-    mapping = next(m for m in all_mappings() if m.compiled_graph == offered)
+    mapping = dataclasses.replace(served()["LlamaForCausalLM"], compiled_graph=bool(offered))
+    if offered == "when declared":
+        mapping = dataclasses.replace(mapping, not_offered={DEFAULT_GRAPH: "not yet run on CUDA"})
     assert arguments.hooks_in_graph_by_default(mapping, user_args) is expected
+
+
+def test_the_transformers_backend_keeps_a_gpus_default_engine_eager_until_run_on_cuda() -> None:
+    mapping = served()["GPTNeoXForCausalLM"]
+    assert mapping.compiled_graph and DEFAULT_GRAPH in mapping.not_offered
 
 
 def test_the_default_engine_declares_every_name() -> None:

@@ -9,7 +9,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from vlens.names.mapping import ArchitectureMapping
+from vlens.names.mapping import DEFAULT_GRAPH, ArchitectureMapping
 
 #: Engine arguments vlens sets unless the user does; each has a reason in ``_REQUIRED``.
 DEFAULT_ENGINE_ARGS: dict[str, Any] = {"enforce_eager": True}
@@ -92,8 +92,10 @@ def hooks_in_graph_by_default(mapping: ArchitectureMapping, user_args: Mapping[s
     """Whether an engine loaded without compiled names runs vLLM's compiled graph with hook
     sites at every name: on a GPU, for an architecture the compiled engine serves, unless the
     user asks for ``enforce_eager=True``. On vLLM's CPU backend the eager engine stays the
-    default: compiling gains little there (docs/compiled-engine.md)."""
-    return bool(mapping.compiled_graph and not user_args.get("enforce_eager") and not on_cpu())
+    default: compiling gains little there (docs/compiled-engine.md); and where the mapping says
+    why its compiled engine is not yet the default (``not_offered["default_graph"]``)."""
+    return bool(mapping.compiled_graph and DEFAULT_GRAPH not in mapping.not_offered
+                and not user_args.get("enforce_eager") and not on_cpu())
 
 
 #: Why an offer is off where the mapping does not say (``ArchitectureMapping.not_offered``).

@@ -10,10 +10,11 @@ process, and around each engine's build.
   class in place: a new base, a new ``__init__`` that reads vLLM's current config and a new
   ``__call__``. A HuggingFace model of that class built before the engine then fails on its next
   forward (its instance lacks what the new ``__call__`` reads), and one built after fails in the new
-  ``__init__`` (there is no current vLLM config outside vLLM's loading). vlens runs these
-  architectures in eager mode, where the rewritten ``__call__`` only calls ``forward``; so once the
-  engine is built, each class the backend rewrote gets its own attributes back, and the engine's
-  model instance runs HuggingFace's ``forward`` as before (:func:`classes_left_as_they_were`).
+  ``__init__`` (there is no current vLLM config outside vLLM's loading). So once the engine is
+  built, each class the backend rewrote gets its own attributes back; an instance the engine
+  compiled moves to a subclass that keeps the rewritten ones, so that it goes on running its
+  compiled code, and the compiler's hook that vLLM left registered for it (called at every later
+  compile in the process) still finds what it reads (:func:`classes_left_as_they_were`).
 - vLLM keeps one rotary-embedding module per configuration for the whole process
   (:func:`own_rotary_embeddings`); an in-process engine tears the process's parallel state down
   when it shuts down (:func:`keep_process_state_while_others_run`); vLLM loads every installed
@@ -30,6 +31,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from torch import nn
 
 from vlens.runtime.parent_watch import WATCHED
 from vlens.runtime.transfer import host_blocks
@@ -72,7 +74,7 @@ def single_device_groups() -> None:
 
 
 #: What vLLM's compile decorator changes on a class.
-_CHANGED = ("__init__", "__call__", "_ignore_compile_vllm")
+_CHANGED = ("__init__", "__call__", "_ignore_compile_vllm", "save_aot_compiled_function")
 _ABSENT = object()
 
 
@@ -80,7 +82,8 @@ _ABSENT = object()
 def classes_left_as_they_were() -> Iterator[None]:
     """While an engine is built: every class outside vLLM that vLLM's compile decorator rewrites
     is restored when the block ends (vLLM's own model classes, decorated where they are defined,
-    are left decorated)."""
+    are left decorated), and each instance of it built in the block that vLLM compiles moves to
+    a subclass holding what the decorator gave the class (:func:`_compiled_subclass`)."""
     try:
         from vllm.compilation import decorators
     except ImportError:  # a vLLM without the decorator rewrites nothing
@@ -88,17 +91,30 @@ def classes_left_as_they_were() -> Iterator[None]:
         return
     decorate = decorators._support_torch_compile
     originals: dict[type, tuple[tuple[type, ...], dict[str, Any]]] = {}
+    built: list[nn.Module] = []
 
     def recording(cls: type, *args: Any, **kwargs: Any) -> type:
-        if not cls.__module__.startswith("vllm.") and cls not in originals:
-            originals[cls] = (cls.__bases__, {key: cls.__dict__.get(key, _ABSENT) for key in _CHANGED})
-        return decorate(cls, *args, **kwargs)
+        if cls.__module__.startswith("vllm.") or cls in originals:
+            return decorate(cls, *args, **kwargs)
+        originals[cls] = (cls.__bases__, {key: cls.__dict__.get(key, _ABSENT) for key in _CHANGED})
+        decorated = decorate(cls, *args, **kwargs)
+        init = cls.__init__
+
+        def recorded(self: nn.Module, *args: Any, **kwargs: Any) -> None:
+            init(self, *args, **kwargs)
+            built.append(self)
+
+        cls.__init__ = recorded
+        return decorated
 
     decorators._support_torch_compile = recording
     try:
         yield
     finally:
         decorators._support_torch_compile = decorate
+        # (not ``__init__``: the subclass is never built, its instances move to it)
+        rewritten = {cls: {key: cls.__dict__[key] for key in _CHANGED[1:] if key in cls.__dict__}
+                     for cls in originals}
         for cls, (bases, attributes) in originals.items():
             cls.__bases__ = bases
             for key, value in attributes.items():
@@ -107,6 +123,22 @@ def classes_left_as_they_were() -> Iterator[None]:
                         delattr(cls, key)
                 else:
                     setattr(cls, key, value)
+        for instance in built:
+            cls = type(instance)
+            if cls in rewritten and not getattr(instance, "do_not_compile", True):
+                instance.__class__ = _compiled_subclass(cls, rewritten[cls])
+        built.clear()
+
+
+def _compiled_subclass(cls: type, rewritten: dict[str, Any]) -> type:
+    """``cls`` (restored) with vLLM's compile wrapper as a base and the attributes vLLM's
+    decorator gave it: the class of an instance that vLLM compiled. Its ``forward`` is still
+    ``cls``'s, whose code object is the one vLLM's compiler hook and compiled-code dispatch key
+    on."""
+    from vllm.compilation.wrapper import TorchCompileWithNoGuardsWrapper
+
+    return type(cls.__name__, (cls, TorchCompileWithNoGuardsWrapper),
+                {**rewritten, "__module__": cls.__module__, "__qualname__": cls.__qualname__})
 
 
 #: vLLM plugins kept out of vlens's engines: TransformerLens's own vLLM bridge patches the worker

@@ -238,6 +238,10 @@ def conv1d_head_results(z: str, *w_o: str, explicit: Explicit = None) -> Derived
 
 # ---- one architecture's mapping -----------------------------------------------------------------
 
+#: The key of :attr:`ArchitectureMapping.not_offered` that keeps a GPU's default engine eager for
+#: an architecture whose compiled engine is offered when its names are declared.
+DEFAULT_GRAPH = "default_graph"
+
 
 @dataclass(frozen=True)
 class ArchitectureMapping:
@@ -262,7 +266,8 @@ class ArchitectureMapping:
     #: as in eager mode (:mod:`vlens.names.compiled`), so that compiled names are offered.
     compiled_graph: bool = dataclasses.field(default=False, kw_only=True)
     #: Why ``compiled_graph`` or ``tensor_parallel`` is off, by that field's name: what the
-    #: architectures table says and what the refusal of such an engine tells the user.
+    #: architectures table says and what the refusal of such an engine tells the user; under
+    #: :data:`DEFAULT_GRAPH`, why a GPU's default engine stays eager where ``compiled_graph`` is on.
     not_offered: Mapping[str, str] = dataclasses.field(default_factory=dict, kw_only=True)
     #: Why a name that looks plausible can never be given (e.g. one routed expert of a fused MoE
     #: kernel); None for names the architecture has nothing to say about.

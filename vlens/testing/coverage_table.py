@@ -20,7 +20,7 @@ from pathlib import Path
 from vlens.engine.arguments import why_not
 from vlens.mappings import all_mappings, vllm_implementation
 from vlens.mappings._tiny import architecture_of
-from vlens.names.mapping import ArchitectureMapping
+from vlens.names.mapping import DEFAULT_GRAPH, ArchitectureMapping
 from vlens.testing.names_table import replace_section
 
 START, END = "<!-- coverage:start -->", "<!-- coverage:end -->"
@@ -98,8 +98,12 @@ def _worst(status: ParityStatus, reference: str) -> str:
 
 
 def _offer(mapping: ArchitectureMapping, offer: str) -> str:
-    """"yes", or "no: " and why (the mapping's own reason, else the refusal's)."""
-    return "yes" if getattr(mapping, offer) else f"no: {why_not(mapping, offer)}"
+    """"yes", or "no: " and why (the mapping's own reason, else the refusal's); for the compiled
+    engine, why a GPU's default engine is not it, where the mapping says."""
+    if not getattr(mapping, offer):
+        return f"no: {why_not(mapping, offer)}"
+    default = mapping.not_offered.get(DEFAULT_GRAPH) if offer == "compiled_graph" else None
+    return "yes" if default is None else f"yes, when declared ({default})"
 
 
 def main(argv: list[str]) -> int:
