@@ -34,18 +34,32 @@ PHASES = ("Model loading took", "Dynamo bytecode transform time", "compilation:"
           "Graph capturing finished", "Compiling model again", "Directly load AOT", "init engine")
 
 
-def load(engine: str, preset: dict, path: Path) -> float:
-    """Seconds to build ``engine`` on ``path`` (in this process)."""
+def load(engine: str, preset: dict, path: Path) -> dict:
+    """Seconds to build ``engine`` on ``path`` (in this process), and for vlens's engines what
+    :func:`probe` finds in the engine loaded."""
     start = time.perf_counter()
     if engine == "plain":
         from vllm import LLM
 
         LLM(model=str(path), dtype=preset["dtype"], enforce_eager=False, **engine_args(preset))
-    else:
-        from vlens import HookedVLLM
+        return {"seconds": time.perf_counter() - start}
+    from vlens import HookedVLLM
 
-        HookedVLLM.from_pretrained(path, dtype=preset["dtype"], **engine_args(preset))
-    return time.perf_counter() - start
+    model = HookedVLLM.from_pretrained(path, dtype=preset["dtype"], **engine_args(preset))
+    return {"seconds": time.perf_counter() - start, "probe": probe(model, preset["layer"])}
+
+
+def probe(model, layer: int) -> dict:
+    """A hook function's calls and a read name's values on the engine just loaded: a load that
+    took a graph from a cache must still reach its hook sites. Dummy weights are seeded, so the
+    sum is the same on every load of one checkpoint."""
+    name = f"blocks.{layer}.hook_resid_post"
+    prompts = [list(range(100, 112)), list(range(200, 205))]
+    calls: list[tuple[int, ...]] = []
+    model.generate(prompts, max_new_tokens=3, do_sample=False, stop_at_eos=False,
+                   fwd_hooks=[(name, lambda x, hook: calls.append(tuple(x.shape)))])
+    _, cache = model.run_with_cache(prompts, names_filter=[name], return_type=None)
+    return {"hook_calls": len(calls), "cache_sum": float(cache[name].float().sum())}
 
 
 def seconds_text(value: float | None) -> str:
@@ -65,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     preset = PRESETS[args.preset]
     path = model_folder(preset, args.work)
     if args.engine:  # one load, in its own process
-        print(json.dumps({"seconds": load(args.engine, preset, path)}), flush=True)
+        print(json.dumps(load(args.engine, preset, path)), flush=True)
         return 0
 
     args.out.mkdir(parents=True, exist_ok=True)
@@ -81,15 +95,18 @@ def main(argv: list[str] | None = None) -> int:
             aot = {"VLLM_USE_AOT_COMPILE": "1"} if engine == AOT else {}
             done = subprocess.run(command, env={**env, **aot}, capture_output=True, text=True)
             lines = [line for line in done.stdout.splitlines() if line.startswith('{"seconds"')]
-            seconds = json.loads(lines[-1])["seconds"] if done.returncode == 0 and lines else None
+            result = json.loads(lines[-1]) if done.returncode == 0 and lines else {}
+            seconds = result.get("seconds")
             if seconds is None:
                 print(done.stderr[-3000:], file=sys.stderr)
             log = done.stdout + done.stderr
             (args.out / f"load-{round_}-{engine}.log").write_text(log)
             phases = [line.split("] ", 1)[-1] for line in log.splitlines()
                       if any(phase in line for phase in PHASES)]
-            rows.append({"round": round_, "engine": engine, "seconds": seconds, "phases": phases})
-            print(f"[loads] round {round_} {engine:6s} {seconds_text(seconds)}", flush=True)
+            rows.append({"round": round_, "engine": engine, "seconds": seconds, "phases": phases,
+                         "probe": result.get("probe")})
+            print(f"[loads] round {round_} {engine:6s} {seconds_text(seconds)}"
+                  + (f" probe {result['probe']}" if "probe" in result else ""), flush=True)
             for phase in phases:
                 print(f"[loads]     {phase}", flush=True)
     (args.out / "loads.json").write_text(json.dumps(

@@ -445,6 +445,8 @@ def worker_eager(
             ("plain generate", lambda: plain(short, False)),
             ("cache_1 generate", lambda: cache([one], short)),
             ("steer generate", lambda: steered(short)),
+            ("nothing_all generate", lambda: hooked(short, [(n, nothing) for n in every])),
+            ("cache_all generate", lambda: cache(every, short)),
         ))
     # last: the heaviest (every layer, every step), so that running out of time loses only it;
     # its first call pins its host memory (19 GB on the GPU preset), which later calls reuse
