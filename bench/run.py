@@ -280,10 +280,14 @@ class Timer:
     def save(self) -> None:
         self.save_to.write_text(json.dumps({"meta": self.meta, "results": self.results}))
 
+    def skips(self, workload: str, tier: str) -> bool:
+        """Whether ``--skip`` names this workload of this tier."""
+        return f"{workload}_{tier}" in self.skip
+
     def measure(self, workload: str, tier: str, run, **extra: Any) -> int | None:
         import torch
 
-        if f"{workload}_{tier}" in self.skip:
+        if self.skips(workload, tier):
             return None
         try:
             if torch.cuda.is_available():
@@ -340,7 +344,7 @@ def write_profile(profile: Path, n_prompts: int, new: int,
 
 
 def worker_eager(
-    preset: dict[str, Any], path: Path, timer: Timer, profile: Path | None, skip: set[str],
+    preset: dict[str, Any], path: Path, timer: Timer, profile: Path | None,
     kind: str = "eager",
 ) -> None:
     """vlens's eager engine (``enforce_eager=True``), or with ``kind="default"`` the engine
@@ -450,7 +454,7 @@ def worker_eager(
         ))
     # last: the heaviest (every layer, every step), so that running out of time loses only it;
     # its first call pins its host memory (19 GB on the GPU preset), which later calls reuse
-    if "cache_all_generate" not in skip:
+    if not timer.skips("cache_all", "generate"):
         start = time.perf_counter()
         cache(every, new)
         timer.meta[f"{kind}_cache_all_generate_first_s"] = round(time.perf_counter() - start, 2)
@@ -500,6 +504,9 @@ class Prefixed:
     def __init__(self, timer: Timer, prefix: str) -> None:
         self.timer, self.prefix = timer, prefix
         self.reps, self.meta = timer.reps, timer.meta
+
+    def skips(self, workload: str, tier: str) -> bool:
+        return self.timer.skips(self.prefix + workload, tier)
 
     def measure(self, workload: str, *args: Any, **kwargs: Any) -> Any:
         return self.timer.measure(self.prefix + workload, *args, **kwargs)
@@ -1027,7 +1034,7 @@ def main(argv: list[str] | None = None) -> int:
         timer = Timer(args.work / f"{args.worker}.json", args.reps, skip)
         if args.worker in ("eager", "default"):
             profile = args.out / "profile.txt" if args.profile else None
-            worker_eager(preset, args.model_path, timer, profile, skip, args.worker)
+            worker_eager(preset, args.model_path, timer, profile, args.worker)
         elif args.worker in ("compiled", "compiled_piecewise"):
             worker_compiled(preset, args.model_path, timer,
                             piecewise=args.worker == "compiled_piecewise")
