@@ -113,7 +113,8 @@ def classes_left_as_they_were() -> Iterator[None]:
     finally:
         decorators._support_torch_compile = decorate
         # (not ``__init__``: the subclass is never built, its instances move to it)
-        rewritten = {cls: {key: cls.__dict__[key] for key in _CHANGED[1:] if key in cls.__dict__}
+        rewritten = {cls: {key: cls.__dict__[key] for key in _CHANGED
+                           if key != "__init__" and key in cls.__dict__}
                      for cls in originals}
         for cls, (bases, attributes) in originals.items():
             cls.__bases__ = bases
