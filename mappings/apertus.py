@@ -9,8 +9,8 @@ with the xIELU activation. One layer (``model.layers.{layer}``, called
     hidden, residual = attention_layernorm(hidden, residual)     # residual ← resid_pre
     self_attn(positions, hidden):
         q, k, v = qkv_proj(hidden)[0].split(...)
-        q = q_norm(q.view(pos, H, d_head))                       # attn.hook_q_normed
-        k = k_norm(k.view(pos, Hkv, d_head))                     # attn.hook_k_normed
+        q = q_norm(q.view(pos, H, d_head))                       # attn.hook_q_normed (*)
+        k = k_norm(k.view(pos, Hkv, d_head))                     # attn.hook_k_normed (*)
         q, k = rotary_emb(positions, q, k)                       # attn.hook_rot_q, hook_rot_k
         hidden = o_proj(attn(q, k, v))
     hidden, residual = feedforward_layernorm(hidden, residual)   # residual ← resid_mid
@@ -24,6 +24,9 @@ xIELU (``act_fn``, learned ``alpha_p``, ``alpha_n`` per layer, ``beta`` = 0.5)::
 
     x > 0:  softplus(alpha_p)·x² + beta·x
     x ≤ 0:  (expm1(min(x, eps)) − x)·(beta + softplus(alpha_n)) + beta·x
+
+(*) vLLM 0.26 calls the norms on ``[pos·H, d_head]`` rows instead (the same per-row RMSNorm); the
+names read both layouts as ``[pos, H, d_head]``.
 
 An ungated MLP has no ``hook_pre_linear``. vLLM 0.32 builds xIELU's parameters in bf16
 whatever the engine's dtype: an fp32 engine would load ``alpha_p``/``alpha_n`` rounded to bf16 and
@@ -45,7 +48,9 @@ from vlens.names.mapping import (
     Argument,
     Shards,
     Spec,
+    attention_dimensions,
     entering,
+    heads_in_rows,
     inserted_before,
     leaving,
 )
@@ -65,7 +70,19 @@ def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:
     specs[f"{BLOCK}.mlp.hook_pre"] = leaving(
         f"{MLP}.up_proj", element=0, shape="pos d_mlp", shards=Shards(-1, (d_mlp,))
     )
-    return inserted_before(specs, f"{BLOCK}.attn.hook_rot_q", llama.per_head_norms(config))
+    return inserted_before(specs, f"{BLOCK}.attn.hook_rot_q", per_head_norms(config))
+
+
+def per_head_norms(config: PretrainedConfig) -> dict[str, Spec]:
+    """Qwen3's ``hook_q_normed``/``hook_k_normed``, read from either layout of the norms' rows:
+    vLLM 0.26 calls them on ``[pos·heads, d_head]``, 0.27 and later on ``[pos, heads, d_head]``."""
+    heads, kv_heads, _ = attention_dimensions(config)
+    norms = llama.per_head_norms(config)
+    q_normed, k_normed = f"{BLOCK}.attn.hook_q_normed", f"{BLOCK}.attn.hook_k_normed"
+    return {
+        q_normed: heads_in_rows(norms[q_normed], heads),
+        k_normed: heads_in_rows(norms[k_normed], kv_heads),
+    }
 
 
 def tiny_config() -> PretrainedConfig:

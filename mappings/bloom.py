@@ -44,6 +44,12 @@ when the model loads (:func:`vlens.runtime.patches.bloom_tanh_gelu`), so every n
 HuggingFace's. Checkpoints with
 ``apply_residual_connection_post_layernorm`` (the residual taken after each norm) are refused: the
 stream this mapping reads would not be the one added.
+
+On CUDA, vLLM (0.26 and, by its source, 0.32) fails BLOOM in half precision on a Hopper GPU: its
+FlashAttention backend plans every step for FlashAttention 3, but ALiBi runs on FlashAttention 2,
+which refuses that plan ("FA2 does not support scheduler_metadata, q_descale, k_descale,
+v_descale"). vlens asks vLLM for FlashAttention 2 throughout (:data:`CUDA_ENGINE_ARGS`, which a
+user's ``attention_config`` replaces).
 """
 
 from __future__ import annotations
@@ -236,12 +242,16 @@ WEIGHTS = WeightNames(
     optional_prefix="transformer.",
 )
 
+#: FlashAttention 2 for every layer on CUDA, where ALiBi needs it (the docstring says why).
+CUDA_ENGINE_ARGS = {"attention_config": {"flash_attn_version": 2}}
+
 MAPPING = ArchitectureMapping(
     architectures=("BloomForCausalLM",),
     hook_specs=hook_specs,
     weights=WEIGHTS,
     compiled_graph=True,
     tensor_parallel=True,
+    cuda_engine_args=CUDA_ENGINE_ARGS,
     tiny_configs={"bloom": tiny_config},
     hf_recorder="hf_bloom",
     no_bridge_reference=(

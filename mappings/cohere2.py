@@ -12,17 +12,18 @@ layers attend over every key and rotate nothing. One layer (``model.layers.{laye
         q, k, v = qkv_proj(hidden)[0].split(...)
         if sliding layer:
             q, k = rotary_emb(positions, q, k)           # attn.hook_rot_q, attn.hook_rot_k
-        z = attn(q, k, v)                                # sliding: the last sliding_window + 1 keys
+        z = attn(q, k, v)                                # sliding: the last window_keys keys
     mlp = mlp(hidden)                                    # the same normed input
     return residual + (attn + mlp), residual             # resid_post is the first
 
 On full layers ``hook_rot_q``/``hook_rot_k`` are q and k as projected. Scores and patterns are
 rebuilt with each layer's window; hooks on them and on per-head results cannot run explicitly.
 
-Where vLLM differs from HuggingFace: vLLM's sliding layers attend over ``sliding_window + 1``
-keys (the query's own and the ``sliding_window`` before it, Cohere's training convention as
-vLLM reads it), HuggingFace's over ``sliding_window`` (the query's own and ``sliding_window - 1``
-before it). The names here are vLLM's values, and the rebuilt scores and patterns use vLLM's
+Where vLLM differs from HuggingFace: from vLLM 0.29 on, vLLM's sliding layers attend over
+``sliding_window + 1`` keys (the query's own and the ``sliding_window`` before it, Cohere's
+training convention as vLLM reads it), HuggingFace's over ``sliding_window`` (the query's own and
+``sliding_window - 1`` before it); vLLM 0.26 to 0.28 attend over ``sliding_window``, as
+HuggingFace (:func:`window_keys` follows the vLLM it runs on). The names here are vLLM's values, and the rebuilt scores and patterns use vLLM's
 window, so that they are the attention vLLM computed. The two agree on every position closer to
 the start than the window; past it, each sliding layer's query sees one key more than in
 HuggingFace: on the tiny checkpoint in fp32 (window 8, the parity prompts of 4 to 44 tokens)
@@ -60,19 +61,30 @@ NOT_EXPLICIT = NoExplicitAttention(
 )
 
 WINDOW_BRIDGE = (
-    "vLLM's sliding layers of Cohere 2 attend over sliding_window + 1 keys and TransformerLens's "
-    "bridge (HuggingFace's Cohere2) over sliding_window, so past the window the bridge computes "
-    "another attention than the one served"
+    "vLLM's sliding layers of Cohere 2 attend over sliding_window + 1 keys (from vLLM 0.29 on) and "
+    "TransformerLens's bridge (HuggingFace's Cohere2) over sliding_window, so past the window the "
+    "bridge computes another attention than the one served"
 )
+
+#: The first vLLM whose sliding layers attend over one key more than ``sliding_window``.
+WINDOW_PLUS_ONE_SINCE = (0, 29)
+
+
+def window_keys(config: PretrainedConfig) -> int:
+    """How many keys the vLLM installed attends over on a sliding layer: ``sliding_window + 1``
+    from vLLM 0.29 on, ``sliding_window`` (as HuggingFace) before."""
+    import vllm
+    from packaging.version import Version
+
+    plus_one = Version(vllm.__version__).release[:2] >= WINDOW_PLUS_ONE_SINCE
+    return config.sliding_window + int(plus_one)
 
 
 def layer_windows(config: PretrainedConfig) -> tuple[int | None, ...]:
-    """Each layer's window as vLLM attends over it: ``sliding_window + 1`` keys on sliding layers,
-    None (every key) on full ones."""
-    return tuple(
-        config.sliding_window + 1 if kind == "sliding_attention" else None
-        for kind in config.layer_types
-    )
+    """Each layer's window as vLLM attends over it: :func:`window_keys` on sliding layers, None
+    (every key) on full ones."""
+    keys = window_keys(config)
+    return tuple(keys if kind == "sliding_attention" else None for kind in config.layer_types)
 
 
 def hook_specs(config: PretrainedConfig) -> dict[str, Spec]:

@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from vlens.names.mapping import ArchitectureMapping
 from vlens.parity.compare import FP32_MAX_REL, PROMPTS
 from vlens.parity.reference import hf_reference
 from vlens.parity.run import DECODE_STEPS, rows_against
@@ -105,12 +106,16 @@ def auto_archs() -> list[str]:
     ]
 
 
-def checkpoint_for_vllm(path: Path) -> Path:
-    """The checkpoint vLLM loads: ``path``, or, on a vLLM whose Transformers backend applies
-    only the base model's weight renamings (0.26), a copy beside it whose weights carry the names
-    of HuggingFace's modules where the checkpoint's differ (GPT-NeoX saves its head as
-    ``embed_out``, a module transformers 5 calls ``lm_head``): the same tensors under the names
-    that backend loads. HuggingFace's reference keeps reading ``path``."""
+def checkpoint_for_vllm(path: Path, mapping: ArchitectureMapping) -> Path:
+    """The checkpoint vLLM loads: ``path``, or, for an architecture served by vLLM's Transformers
+    backend on a vLLM whose backend applies only the base model's weight renamings (0.26), a copy
+    beside it whose weights carry the names of HuggingFace's modules where the checkpoint's differ
+    (GPT-NeoX saves its head as ``embed_out``, a module transformers 5 calls ``lm_head``): the
+    same tensors under the names that backend loads. vLLM's native models load the hub's names
+    (the checkpoint's), never transformers' in-memory ones (GraniteMoe's fused
+    ``experts.down_proj``). HuggingFace's reference keeps reading ``path``."""
+    if mapping.model_impl != "transformers":
+        return path
     try:
         from vllm.model_executor.models.transformers import base
     except ImportError:
@@ -250,7 +255,7 @@ def run(args: argparse.Namespace) -> int:
     import vllm
     from transformers import AutoConfig
 
-    from vlens.engine.arguments import model_impl_args
+    from vlens.engine.arguments import architecture_args
     from vlens.hooked.model import HookedVLLM
     from vlens.mappings import mapping_for
     from vlens.testing.tiny import ARCHS, tiny_model
@@ -290,8 +295,10 @@ def run(args: argparse.Namespace) -> int:
                         kv_cache_memory_bytes=args.kv_cache_gib << 30,
                     )
                 mapping = mapping_for(AutoConfig.from_pretrained(path))
-                entry["engine_args"] = model_impl_args(mapping)
-                model = HookedVLLM.from_pretrained(checkpoint_for_vllm(path), dtype=dtype, **memory)
+                entry["engine_args"] = architecture_args(mapping)
+                model = HookedVLLM.from_pretrained(
+                    checkpoint_for_vllm(path, mapping), dtype=dtype, **memory
+                )
                 entry["runner"] = runner_label(model)
                 entry["rows"], uncovered = parity_rows(model, path, dtype)
                 entry["uncovered"] = uncovered

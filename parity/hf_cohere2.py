@@ -1,11 +1,11 @@
 """HuggingFace reference for Cohere 2 (``Cohere2ForCausalLM``): Command R's recorder
 (``hf_decoder.py``), with q and k left unrotated on the full-attention layers (HuggingFace's
 Cohere2 rotates only its sliding layers), and HuggingFace's model run with the window vLLM attends
-over: ``sliding_window + 1`` keys where HuggingFace's own mask keeps ``sliding_window``
-(``mappings/cohere2.py`` says why and how far the two differ). ``hook_attn_scores`` are the rotated
-q and k (each key/value head repeated for its query heads) times ``d_head^-½``, the future and the
-keys outside a sliding layer's window masked with -inf, as that run's mask masks them.
-"""
+over: from vLLM 0.29 on ``sliding_window + 1`` keys where HuggingFace's own mask keeps
+``sliding_window`` (``mappings/cohere2.py`` says why and how far the two differ).
+``hook_attn_scores`` are the rotated q and k (each key/value head repeated for its query heads)
+times ``d_head^-½``, the future and the keys outside a sliding layer's window masked with -inf, as
+that run's mask masks them."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from vlens.mappings import cohere2
 from vlens.names.mapping import attention_dimensions
 from vlens.parity import hf_decoder
 from vlens.parity.reference import Recorder, Values
@@ -26,7 +27,7 @@ def record(
     forward's recordings into canonical names."""
     # HuggingFace builds the sliding layers' mask from the config at each forward.
     config = model.config
-    config.sliding_window += 1
+    config.sliding_window = cohere2.window_keys(config)
     heads, kv_heads, d_head = attention_dimensions(config)
     decoder_values = hf_decoder.record(model, recorder)
 

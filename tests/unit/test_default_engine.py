@@ -41,3 +41,18 @@ def test_the_transformers_backend_keeps_a_gpus_default_engine_eager_until_run_on
 
 def test_the_default_engine_declares_every_name() -> None:
     assert every_name("blocks.0.attn.hook_pattern") and every_name("hook_embed")
+
+
+@pytest.mark.parametrize(("cpu", "cuda", "expected"), [
+    (True, False, {}),
+    (False, True, {"attention_config": {"flash_attn_version": 2}}),
+    (False, False, {}),
+])
+def test_an_architecture_gets_the_engine_arguments_its_platform_needs(monkeypatch, cpu, cuda, expected):
+    """BLOOM's ALiBi needs FlashAttention 2 on CUDA; the user's arguments override the
+    architecture's (``{**architecture_args(mapping), **user_args}``)."""
+    monkeypatch.setattr(arguments, "on_cpu", lambda: cpu)
+    monkeypatch.setattr(arguments, "on_cuda", lambda: cuda)
+    assert arguments.architecture_args(served()["BloomForCausalLM"]) == expected
+    transformers_backend = arguments.architecture_args(served()["GPTNeoXForCausalLM"])
+    assert transformers_backend == {"model_impl": "transformers"}

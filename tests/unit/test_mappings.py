@@ -132,3 +132,18 @@ def test_a_sliding_window_leaves_out_scores_and_patterns():
     # A window as long as the context changes nothing.
     whole = MistralConfig(sliding_window=512, max_position_embeddings=512)
     assert set(llama.hook_specs(whole)) == set(full)
+
+
+@pytest.mark.parametrize(("version", "keys"), [("0.26.0", 8), ("0.28.0", 8), ("0.29.0", 9),
+                                               ("0.32.0", 9), ("0.33.1.dev4+cpu", 9)])
+def test_cohere2s_window_is_the_one_the_installed_vllm_attends_over(monkeypatch, version, keys):
+    """vLLM 0.29 widened Cohere 2's sliding layers to ``sliding_window + 1`` keys; the rebuilt
+    scores and the parity reference follow the vLLM that runs."""
+    import vllm
+
+    from vlens.mappings import cohere2
+
+    monkeypatch.setattr(vllm, "__version__", version)
+    config = cohere2.tiny_config()
+    assert cohere2.window_keys(config) == keys
+    assert cohere2.layer_windows(config) == (keys, None, keys)

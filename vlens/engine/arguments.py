@@ -1,5 +1,5 @@
 """The engine arguments of a vlens engine: the user's, with vlens's defaults, what the
-architecture needs on vLLM's CPU backend and vlens's worker extension, each one vlens cannot
+architecture needs on its platform and vlens's worker extension, each one vlens cannot
 honour refused with its reason and what to do instead, before vLLM starts (when a model loads,
 for ``HookedVLLM`` and ``vlens serve`` alike)."""
 
@@ -110,9 +110,17 @@ def why_not(mapping: ArchitectureMapping, offer: str) -> str:
     return mapping.not_offered.get(offer, NOT_YET[offer])
 
 
-def model_impl_args(mapping: ArchitectureMapping) -> dict[str, Any]:
-    """The ``model_impl`` engine argument the mapping's module tree needs (none for vLLM's own)."""
-    return {} if mapping.model_impl == "auto" else {"model_impl": mapping.model_impl}
+def architecture_args(mapping: ArchitectureMapping) -> dict[str, Any]:
+    """The engine arguments the architecture needs, which the user's override: the
+    ``model_impl`` its mapping's module tree needs (none for vLLM's own), and what it needs on
+    this platform (:attr:`~vlens.names.mapping.ArchitectureMapping.cpu_engine_args`,
+    :attr:`~vlens.names.mapping.ArchitectureMapping.cuda_engine_args`)."""
+    args = {} if mapping.model_impl == "auto" else {"model_impl": mapping.model_impl}
+    if on_cpu():
+        args.update(mapping.cpu_engine_args)
+    elif on_cuda():
+        args.update(mapping.cuda_engine_args)
+    return args
 
 
 def check_model_impl(mapping: ArchitectureMapping, architecture: str, wanted: Any) -> None:
@@ -165,21 +173,17 @@ def hook_site_compilation(user_config: Any) -> dict[str, Any]:
 
 
 def prepare_engine(
-    user_args: Mapping[str, Any],
-    compiled: bool,
-    cpu_defaults: Mapping[str, Any],
-    graph_hooks: bool = False,
+    user_args: Mapping[str, Any], compiled: bool, graph_hooks: bool = False
 ) -> dict[str, Any]:
-    """The engine arguments of a vlens engine (the user's, with vlens's defaults and refusals,
-    ``cpu_defaults``: what the architecture needs on vLLM's CPU backend, and vlens's worker
-    extension), after setting the environment vLLM reads while it builds one. Shared by
-    ``HookedVLLM``'s engine and ``vlens serve``. ``graph_hooks``: hook functions run inside the
-    compiled graph (:mod:`vlens.runtime.compiled.hook_sites`)."""
+    """The engine arguments of a vlens engine (the user's, over :func:`architecture_args`, with
+    vlens's defaults and refusals, and vlens's worker extension), after setting the environment
+    vLLM reads while it builds one. Shared by ``HookedVLLM``'s engine and ``vlens serve``.
+    ``graph_hooks``: hook functions run inside the compiled graph
+    (:mod:`vlens.runtime.compiled.hook_sites`)."""
     user_args = dict(user_args)
     if graph_hooks and not on_cpu():
         user_args["compilation_config"] = hook_site_compilation(user_args.get("compilation_config"))
     if on_cpu():
-        user_args = {**cpu_defaults, **user_args}
         if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:  # vLLM's legacy setting wins
             # vLLM's CPU default reserves a share of the machine's memory for every engine.
             user_args.setdefault("kv_cache_memory_bytes", CPU_KV_CACHE_BYTES)
@@ -213,3 +217,9 @@ def on_cpu() -> bool:
     from vllm.platforms import current_platform
 
     return current_platform.is_cpu()
+
+
+def on_cuda() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cuda()

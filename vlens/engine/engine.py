@@ -12,9 +12,8 @@ import gc
 import itertools
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -73,16 +72,14 @@ class Engine:
         self,
         model_path: str,
         graph_names: Sequence[GraphName] = (),
-        cpu_defaults: Mapping[str, Any] = MappingProxyType({}),
         **user_args: Any,
     ) -> None:
-        """``cpu_defaults``: engine arguments the architecture needs on vLLM's CPU backend."""
         ranks = int(user_args.get("tensor_parallel_size", 1))
         # The engine core runs in this process, so that user hook functions and captured tensors
         # need no serialisation on one device. Read by vLLM when the engine is built.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         graph_hooks = any(name.hook for name in graph_names)
-        args = prepare_engine(user_args, bool(graph_names), cpu_defaults, graph_hooks)
+        args = prepare_engine(user_args, bool(graph_names), graph_hooks)
         from vllm import LLM, envs
 
         # An engine already built in this process froze vLLM's view of the environment; the

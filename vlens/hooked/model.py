@@ -12,7 +12,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from vlens.engine.arguments import model_impl_args
+from vlens.engine.arguments import architecture_args
 from vlens.engine.assembly import assemble
 from vlens.engine.checkpoint import Checkpoint
 from vlens.engine.engine import Engine, greedy
@@ -117,9 +117,8 @@ class HookedVLLM(TokenMethods, GenerateMethods, ModelViews, ModuleSurface, SAEMe
             path, engine_kwargs, compiled_capture, compiled_steering, compiled_hooks,
             compiled_saes, compiled_sae_slots, compiled_sae_top_k, hooks_by_default=True,
         )
-        engine_kwargs = {**model_impl_args(checkpoint.mapping), **engine_kwargs}
-        engine = Engine(str(path), checkpoint.graph_names, checkpoint.mapping.cpu_engine_args,
-                        **engine_kwargs)
+        engine_kwargs = {**architecture_args(checkpoint.mapping), **engine_kwargs}
+        engine = Engine(str(path), checkpoint.graph_names, **engine_kwargs)
         tokenizer = AutoTokenizer.from_pretrained(path)
         return cls(checkpoint, engine, tokenizer, default_prepend_bos, default_padding_side)
 

@@ -220,6 +220,12 @@ def heads_first(of: HookSpec, heads: str = "head") -> HookSpec:
     return dataclasses.replace(of, shape=f"{heads} pos d_head", arrange="b p h d -> b h p d")
 
 
+def heads_in_rows(of: HookSpec, heads: int) -> HookSpec:
+    """A per-head module's value read whether vLLM calls the module on ``[pos, heads, d_head]``
+    or on ``[pos·heads, d_head]`` rows (:class:`~vlens.runtime.vocabulary.readers.HeadsInRows`)."""
+    return dataclasses.replace(of, read=readers.HeadsInRows(of.read, heads))
+
+
 def layer_norm_scale(of: HookSpec, eps: float) -> HookSpec:
     return HookSpec(of.site, readers.LayerNormScale(of.read, eps), "pos 1")
 
@@ -278,6 +284,8 @@ class ArchitectureMapping:
     model_impl: Literal["auto", "transformers"] = dataclasses.field(default="auto", kw_only=True)
     #: Engine arguments this architecture needs on vLLM's CPU backend, unless the user sets them.
     cpu_engine_args: Mapping[str, Any] = dataclasses.field(default_factory=dict, kw_only=True)
+    #: The same on CUDA (a vLLM kernel that fails the architecture there, avoided).
+    cuda_engine_args: Mapping[str, Any] = dataclasses.field(default_factory=dict, kw_only=True)
     #: Its tiny random test checkpoints (:func:`vlens.testing.tiny.tiny_model`): a name → the function
     #: building that checkpoint's transformers config.
     tiny_configs: Mapping[str, Callable[[], Any]] = dataclasses.field(

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 from torch import Tensor
 
-from vlens.engine.arguments import model_impl_args, prepare_engine
+from vlens.engine.arguments import architecture_args, prepare_engine
 from vlens.engine.process_state import FOREIGN_PLUGINS, plugins_except
 from vlens.runtime.compiled.workers import graph_names_for_workers, with_graph_args
 from vlens.serve.captures import HeldCaptures
@@ -143,8 +143,8 @@ def main(argv: list[str]) -> int:
         saes = read_saes(args.sae)
         served = ServedModel(args.model, args.compiled_capture, args.compiled_steering, user_args,
                              saes, args.sae_slots, args.sae_top_k)
-        user_args = {**model_impl_args(served.checkpoint.mapping), **user_args}
-        engine = prepare_engine(user_args, compiled, served.checkpoint.mapping.cpu_engine_args)
+        user_args = {**architecture_args(served.checkpoint.mapping), **user_args}
+        engine = prepare_engine(user_args, compiled)
         for key, value in engine.items():  # as vLLM's serve options
             setattr(args, key, value)
         captures = HeldCaptures(args.capture_bytes)

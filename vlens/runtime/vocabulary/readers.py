@@ -27,7 +27,7 @@ Reader = Callable[[SiteCall], Tensor]
 
 def writable(reader: Any) -> bool:
     """Whether edits of this reader's value can be written back into the model."""
-    if isinstance(reader, (Columns, PerHead, BatchOfOne)):
+    if isinstance(reader, (Columns, PerHead, BatchOfOne, HeadsInRows)):
         return writable(reader.source)
     return hasattr(reader, "write")
 
@@ -270,3 +270,30 @@ def _first_of_batch(value: Any) -> Any:
             )
         return value[0]
     return value
+
+
+@dataclass(frozen=True)
+class HeadsInRows:
+    """The source, read at a per-head module (a q/k norm) that some vLLMs call on
+    ``[tokens·heads, d_head]`` rows (vLLM 0.26's Apertus) where others call it on
+    ``[tokens, heads, d_head]``: a result of the first kind is viewed as the second (a view:
+    edits still reach the model) before it is narrowed to the request's rows, which are
+    tokens. ``heads``: the model's, of which each tensor-parallel rank computes its share."""
+
+    source: Reader
+    heads: int
+
+    def __call__(self, call: SiteCall) -> Tensor:
+        return self.source(self._per_token(call))
+
+    def write(self, call: SiteCall, new: Tensor) -> None:
+        self.source.write(self._per_token(call), new)
+
+    def _per_token(self, call: Any) -> Any:
+        result = call.result
+        if not isinstance(result, Tensor) or result.dim() != 2:
+            return call
+        ranks = 1 if call.parallel is None else call.parallel.size
+        return dataclasses.replace(
+            call, result=result.view(-1, self.heads // ranks, result.shape[-1])
+        )
