@@ -23,15 +23,16 @@ Where vLLM differs from HuggingFace: from vLLM 0.29 on, vLLM's sliding layers at
 ``sliding_window + 1`` keys (the query's own and the ``sliding_window`` before it, Cohere's
 training convention as vLLM reads it), HuggingFace's over ``sliding_window`` (the query's own and
 ``sliding_window - 1`` before it); vLLM 0.26 to 0.28 attend over ``sliding_window``, as
-HuggingFace (:func:`window_keys` follows the vLLM it runs on). The names here are vLLM's values, and the rebuilt scores and patterns use vLLM's
-window, so that they are the attention vLLM computed. The two agree on every position closer to
-the start than the window; past it, each sliding layer's query sees one key more than in
-HuggingFace: on the tiny checkpoint in fp32 (window 8, the parity prompts of 4 to 44 tokens)
-``blocks.0.attn.hook_z`` then differs from HuggingFace's by up to 1.26 relative per token and the
-logits by up to 0.85 (its random weights attend sharply); a real checkpoint's window is 4096
-keys, so only longer prompts differ. The parity reference therefore runs HuggingFace's Cohere2
-with the window vLLM attends over (``parity/hf_cohere2.py``), and TransformerLens's bridge, which
-runs HuggingFace's window, is no reference for it.
+HuggingFace (:func:`window_keys` follows the vLLM it runs on). The names here are vLLM's values,
+and the rebuilt scores and patterns use vLLM's window, so that they are the attention vLLM
+computed. With the wider window the two agree on every position closer to the start than the
+window; past it, each sliding layer's query sees one key more than in HuggingFace: on the tiny
+checkpoint in fp32 (window 8, the parity prompts of 4 to 44 tokens) ``blocks.0.attn.hook_z`` then
+differs from HuggingFace's by up to 1.26 relative per token and the logits by up to 0.85 (its
+random weights attend sharply); a real checkpoint's window is 4096 keys, so only longer prompts
+differ. The parity reference therefore runs HuggingFace's Cohere2 with the window vLLM attends
+over (``parity/hf_cohere2.py``), and TransformerLens's bridge, which runs HuggingFace's window, is
+no reference for it.
 
 As in ``cohere.py``, there is no ``hook_resid_mid``, ``hook_mlp_in`` or ``ln2``, and checkpoints
 with ``use_qk_norm`` are refused.
