@@ -72,9 +72,8 @@ class EagerSites:
     stream_rows: slice | Tensor | None = None
     #: on a GPU, this step's rows of the names :attr:`stream` keeps, until the step ends
     stage: StepStage = field(default_factory=StepStage)
-    #: this step's kept rows (:func:`kept_rows`) by the calls that keep them, each call named by
-    #: its first and last requests' tags and its number of requests this step, for every name
-    step_rows: dict[tuple[tuple[str, str, int], ...], tuple[slice | Tensor, list[Segment]]] = field(
+    #: this step's kept rows by the tags that keep them (:func:`kept_rows`), for every name
+    step_rows: dict[tuple[str, ...], tuple[slice | Tensor, list[Segment]]] = field(
         default_factory=dict
     )
     #: per site: the requests it serves (what decides its step's calls, :meth:`refresh`)
@@ -322,12 +321,11 @@ class EagerSites:
                 if self.stream is not None:
                     self._stream_rows(site, name, value)
                 elif self.hands_back:
-                    key = tuple((members[0].rows.tag, members[-1].rows.tag, len(members))
-                                for members in keepers)
-                    if key not in self.step_rows:
-                        requests = [member.rows for members in keepers for member in members]
-                        self.step_rows[key] = kept_rows(requests, value.device)
-                    selection, segments = self.step_rows[key]
+                    requests = [member.rows for members in keepers for member in members]
+                    tags = tuple(rows.tag for rows in requests)
+                    if tags not in self.step_rows:
+                        self.step_rows[tags] = kept_rows(requests, value.device)
+                    selection, segments = self.step_rows[tags]
                     self.kept_steps.add(name, segments, copy_rows(value, selection))
             except Exception:
                 message = f"while reading {name}:\n{traceback.format_exc()}"
